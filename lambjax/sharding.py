@@ -1,0 +1,114 @@
+"""The device mesh and the one table that maps logical axis names to mesh axes.
+
+Every parameter of the model is annotated with logical axis names (`vocab`, `embed`,
+`heads`, `kv`, `mlp`, `layers`, ...). Nothing else in lambjax names a mesh axis: the
+shardings of parameters, optimizer state and batches are all derived here.
+
+Mesh axes:
+  data:   pure data parallelism (parameters replicated).
+  fsdp:   data parallelism with parameters and optimizer state sharded (ZeRO-3 style).
+  tensor: tensor (model) parallelism inside attention and MLP blocks.
+"""
+
+from collections.abc import Mapping, Sequence
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+MESH_AXES = ("data", "fsdp", "tensor")
+
+# Logical axis name -> mesh axis (or tuple of mesh axes, or None = replicated).
+LOGICAL_AXIS_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
+    ("batch", ("data", "fsdp")),
+    ("length", None),
+    ("vocab", "tensor"),
+    ("embed", "fsdp"),
+    ("heads", "tensor"),
+    ("kv", None),
+    ("mlp", "tensor"),
+    ("layers", None),
+    ("position", None),
+    ("token_type", None),
+    ("classes", None),
+    ("norm", None),
+)
+_RULES = dict(LOGICAL_AXIS_RULES)
+
+
+def make_mesh(mesh_shape: Mapping[str, int], devices: Sequence[jax.Device] | None = None) -> Mesh:
+    """Builds a mesh with axes `MESH_AXES`; one size may be -1 to take the remaining devices."""
+    devices = list(jax.devices() if devices is None else devices)
+    unknown = set(mesh_shape) - set(MESH_AXES)
+    if unknown:
+        raise ValueError(f"mesh axes {sorted(unknown)} are unknown; valid axes: {MESH_AXES}")
+    sizes = [int(mesh_shape.get(axis, 1)) for axis in MESH_AXES]
+    if sizes.count(-1) > 1:
+        raise ValueError(f"mesh {dict(mesh_shape)}: at most one axis may be -1")
+    if any(s == 0 or s < -1 for s in sizes):
+        raise ValueError(f"mesh {dict(mesh_shape)}: sizes must be positive or -1")
+    known = int(np.prod([s for s in sizes if s != -1]))
+    if -1 in sizes:
+        if len(devices) % known:
+            raise ValueError(
+                f"mesh {dict(mesh_shape)} does not fit {len(devices)} devices: the fixed axes "
+                f"multiply to {known}, which does not divide {len(devices)}"
+            )
+        sizes[sizes.index(-1)] = len(devices) // known
+    if int(np.prod(sizes)) != len(devices):
+        raise ValueError(
+            f"mesh {dict(zip(MESH_AXES, sizes, strict=True))} needs {int(np.prod(sizes))} "
+            f"devices but {len(devices)} are available"
+        )
+    device_grid = np.asarray(devices, dtype=object).reshape(sizes)
+    return Mesh(device_grid, MESH_AXES)
+
+
+def logical_to_spec(logical_axes: Sequence[str | None], shape: Sequence[int], mesh: Mesh):
+    """Maps one array's logical axis names to a `PartitionSpec` on `mesh`.
+
+    A dimension is left replicated when its size does not divide by the mesh axes it maps
+    to (e.g. BERT's vocabulary of 30,522 on a tensor axis of 4), and a mesh axis is used at
+    most once per array.
+    """
+    if len(logical_axes) != len(shape):
+        raise ValueError(f"logical axes {tuple(logical_axes)} do not match shape {tuple(shape)}")
+    used: set[str] = set()
+    spec = []
+    for name, size in zip(logical_axes, shape, strict=True):
+        if name is not None and name not in _RULES:
+            raise ValueError(f"logical axis {name!r} has no rule; known: {sorted(_RULES)}")
+        target = _RULES.get(name) if name is not None else None
+        axes = (target,) if isinstance(target, str) else tuple(target or ())
+        axes = tuple(a for a in axes if mesh.shape[a] > 1 and a not in used)
+        if axes and size % int(np.prod([mesh.shape[a] for a in axes])) == 0:
+            used.update(axes)
+            spec.append(axes[0] if len(axes) == 1 else axes)
+        else:
+            spec.append(None)
+    return PartitionSpec(*spec)
+
+
+def tree_shardings(abstract_tree, logical_axes_tree, mesh: Mesh):
+    """NamedShardings for a pytree of arrays (or ShapeDtypeStructs) given its logical axes.
+
+    `logical_axes_tree` has the same structure with a `PartitionSpec` of logical names per
+    leaf (what `flax.linen.get_partition_spec` returns); a `None` leaf means replicated.
+    """
+
+    def one(leaf, names):
+        names = tuple(names) if names is not None else (None,) * len(leaf.shape)
+        return NamedSharding(mesh, logical_to_spec(names, leaf.shape, mesh))
+
+    return jax.tree.map(
+        one, abstract_tree, logical_axes_tree, is_leaf=lambda x: isinstance(x, PartitionSpec)
+    )
+
+
+def batch_sharding(mesh: Mesh) -> NamedSharding:
+    """Batches are split along their leading axis over the data-parallel mesh axes."""
+    return NamedSharding(mesh, PartitionSpec(_RULES["batch"]))
+
+
+def replicated(mesh: Mesh) -> NamedSharding:
+    return NamedSharding(mesh, PartitionSpec())
