@@ -1,0 +1,41 @@
+"""LAMB and LANS as composable optax transformations, with the recipes' schedules.
+
+import optax
+from lambjax import optim
+
+tx = optim.lans(optim.warmup_constant_decay_schedule(5e-3, 10_000, 0.05, 0.25),
+                weight_decay=0.01, weight_decay_mask=optim.bert_weight_decay_mask,
+                stacked_layers=optim.stacked_layers_mask)
+"""
+
+from lambjax.optim.lamb import lamb
+from lambjax.optim.lans import lans
+from lambjax.optim.masks import bert_weight_decay_mask, stacked_layers_mask
+from lambjax.optim.schedules import poly_warmup_schedule, warmup_constant_decay_schedule
+from lambjax.optim.transforms import (
+    ScaleByLansState,
+    TrustRatioState,
+    last_trust_ratios,
+    normalize_per_tensor,
+    restart_step_count,
+    scale_by_adam,
+    scale_by_lans,
+    scale_by_trust_ratio,
+)
+
+__all__ = [
+    "ScaleByLansState",
+    "TrustRatioState",
+    "bert_weight_decay_mask",
+    "lamb",
+    "lans",
+    "last_trust_ratios",
+    "normalize_per_tensor",
+    "poly_warmup_schedule",
+    "restart_step_count",
+    "scale_by_adam",
+    "scale_by_lans",
+    "scale_by_trust_ratio",
+    "stacked_layers_mask",
+    "warmup_constant_decay_schedule",
+]

@@ -1,0 +1,72 @@
+"""LAMB as an optax chain of small transforms."""
+
+import optax
+
+from lambjax.optim import transforms
+from lambjax.optim.transforms import MaskOrFn
+
+
+def check_hyperparameters(learning_rate, b1, b2, eps, weight_decay, max_global_norm=None):
+    """ValueErrors that name the argument, for both optimizers."""
+    if not callable(learning_rate) and learning_rate < 0:
+        raise ValueError(f"learning_rate={learning_rate} must be >= 0 (or an optax schedule)")
+    for name, value in (("b1", b1), ("b2", b2)):
+        if not 0 <= value < 1:
+            raise ValueError(f"{name}={value} must lie in [0, 1)")
+    if eps < 0:
+        raise ValueError(f"eps={eps} must be >= 0")
+    if weight_decay < 0:
+        raise ValueError(f"weight_decay={weight_decay} must be >= 0")
+    if max_global_norm is not None and max_global_norm <= 0:
+        raise ValueError(f"max_global_norm={max_global_norm} must be > 0 (or None: no clipping)")
+
+
+def lamb(
+    learning_rate: float | optax.Schedule,
+    *,
+    b1: float = 0.9,
+    b2: float = 0.999,
+    eps: float = 1e-6,
+    weight_decay: float = 0.0,
+    weight_decay_mask: MaskOrFn = None,
+    trust_ratio_mask: MaskOrFn = None,
+    max_global_norm: float | None = None,
+    bias_correction: bool = True,
+    stacked_layers: MaskOrFn = None,
+    param_norm_bounds: tuple[float, float] | None = None,
+) -> optax.GradientTransformation:
+    """LAMB: Adam moments, decoupled weight decay, a layer-wise trust ratio.
+
+    With the defaults this is the paper's algorithm (what `optax.lamb(mask=...)` computes,
+    but with per-layer ratios for stacked leaves). NVIDIA's BERT recipe is
+    `weight_decay=0.01, weight_decay_mask=m, trust_ratio_mask=m, max_global_norm=1.0` with
+    `m = lambjax.optim.bert_weight_decay_mask`.
+
+    Args:
+      learning_rate: a float or an optax schedule.
+      b1, b2, eps: Adam's; eps is added outside the square root.
+      weight_decay: decoupled decay rate λ (added to the Adam direction before the ratio).
+      weight_decay_mask: which leaves are decayed (optax mask convention; None = all).
+      trust_ratio_mask: which leaves get a trust ratio (None = all; False leaves use 1).
+      max_global_norm: clip the gradient's global norm to this first (None = no clip).
+      bias_correction: Adam's bias correction of the moments.
+      stacked_layers: which leaves stack layers on axis 0 (one ratio per layer slice).
+      param_norm_bounds: optional (lower, upper) clip of ||x|| in the ratio (phi).
+
+    References:
+      You et al., 2020: https://arxiv.org/abs/1904.00962
+    """
+    check_hyperparameters(learning_rate, b1, b2, eps, weight_decay, max_global_norm)
+    return optax.chain(
+        optax.clip_by_global_norm(max_global_norm) if max_global_norm else optax.identity(),
+        transforms.scale_by_adam(b1, b2, eps, bias_correction=bias_correction),
+        optax.add_decayed_weights(weight_decay, weight_decay_mask)
+        if weight_decay
+        else optax.identity(),
+        transforms.scale_by_trust_ratio(
+            mask=trust_ratio_mask,
+            stacked_layers=stacked_layers,
+            param_norm_bounds=param_norm_bounds,
+        ),
+        optax.scale_by_learning_rate(learning_rate),
+    )

@@ -1,0 +1,328 @@
+"""Small gradient transformations that LAMB and LANS are chained from.
+
+Every transform works per tensor: per parameter leaf, or per layer slice of a leaf whose
+leading axis stacks layers (declared by the caller through `stacked_layers`, a pytree of
+bools or a callable on params, like optax masks). Norms of zero never produce NaN.
+
+Norms are computed as dot products (`sum(x * x)` contracted by XLA's dot emitter) of
+tensors that are already in memory: on XLA:CPU a reduction fused with the arithmetic that
+produces its input runs scalar code and recomputes that arithmetic in the consumer, which
+made the trust-ratio step several times slower than an Adam step (see README, Optimizers).
+"""
+
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+MaskOrFn = Any  # a pytree of bools matching params, a callable params -> such a tree, or None
+
+
+# ----------------------------------------------------------------------------------------
+# Masks and per-tensor norms
+
+
+def resolve_mask(mask: MaskOrFn, params, *, argument: str, default: bool):
+    """A mask argument as a tree of bools matching `params` (None -> all `default`)."""
+    if mask is None:
+        return jax.tree.map(lambda _: default, params)
+    tree = mask(params) if callable(mask) else mask
+    params_structure = jax.tree.structure(params)
+    mask_structure = jax.tree.structure(tree)
+    if mask_structure != params_structure:
+        raise ValueError(
+            f"{argument}: its tree does not match the parameters' tree "
+            f"(mask: {mask_structure}; params: {params_structure})"
+        )
+    return tree
+
+
+def tensor_sq_norms(x: jax.Array, stacked: bool) -> jax.Array:
+    """Squared L2 norm of each tensor: a scalar, or one per layer slice ([L]) if stacked."""
+    x = x.astype(jnp.float32)
+    if stacked and x.ndim >= 1:
+        flat = x.reshape(x.shape[0], -1)
+        return jnp.einsum("ln,ln->l", flat, flat)
+    flat = x.reshape(-1)
+    return jnp.dot(flat, flat)
+
+
+def broadcast_per_tensor(values: jax.Array, x: jax.Array) -> jax.Array:
+    """[L] per-slice values -> broadcastable against the stacked tensor x."""
+    if values.ndim == 0:
+        return values
+    return values.reshape(values.shape + (1,) * (x.ndim - 1))
+
+
+def safe_ratio(numerator: jax.Array, denominator: jax.Array, guard: jax.Array) -> jax.Array:
+    """numerator / denominator, or 1 where `guard` is true (a zero norm)."""
+    safe_denominator = jnp.where(guard, 1.0, denominator)
+    return jnp.where(guard, 1.0, numerator / safe_denominator)
+
+
+def clip_param_norm(param_norm, bounds: tuple[float, float] | None):
+    """phi(||x||): the identity, or clipped to [lower, upper]."""
+    if bounds is None:
+        return param_norm
+    lower, upper = bounds
+    return jnp.clip(param_norm, lower, upper)
+
+
+def _check_bounds(bounds, argument: str):
+    if bounds is None:
+        return
+    if len(bounds) != 2 or not 0 <= bounds[0] <= bounds[1]:
+        raise ValueError(f"{argument}={bounds!r} must be a pair with 0 <= lower <= upper")
+
+
+# ----------------------------------------------------------------------------------------
+# Per-tensor gradient normalisation (LANS)
+
+
+def normalize_per_tensor(stacked_layers: MaskOrFn = None) -> optax.GradientTransformation:
+    """g -> g / ||g|| per tensor (per layer slice for stacked leaves); g = 0 stays 0.
+
+    References:
+      Zheng et al., 2020: https://arxiv.org/abs/2006.13484 (LANS, Algorithm 2)
+    """
+
+    def init_fn(params):
+        resolve_mask(stacked_layers, params, argument="stacked_layers", default=False)
+        return optax.EmptyState()
+
+    def update_fn(updates, state, params=None):
+        stacked = resolve_mask(
+            stacked_layers,
+            params if params is not None else updates,
+            argument="stacked_layers",
+            default=False,
+        )
+
+        def normalize(g, is_stacked):
+            norm = jnp.sqrt(tensor_sq_norms(g, is_stacked))
+            scale = safe_ratio(jnp.ones_like(norm), norm, norm == 0.0)
+            return (g * broadcast_per_tensor(scale, g)).astype(g.dtype)
+
+        return jax.tree.map(normalize, updates, stacked), state
+
+    return optax.GradientTransformation(init_fn, update_fn)
+
+
+# ----------------------------------------------------------------------------------------
+# Adam moments with optional bias correction
+
+
+def scale_by_adam(
+    b1: float = 0.9, b2: float = 0.999, eps: float = 1e-6, *, bias_correction: bool = True
+) -> optax.GradientTransformation:
+    """optax.scale_by_adam, or the same without bias correction (torch-optimizer style)."""
+    if bias_correction:
+        return optax.scale_by_adam(b1=b1, b2=b2, eps=eps)
+
+    def init_fn(params):
+        zeros = jax.tree.map(jnp.zeros_like, params)
+        return optax.ScaleByAdamState(jnp.zeros([], jnp.int32), zeros, zeros)
+
+    def update_fn(updates, state, params=None):
+        del params
+        mu = jax.tree.map(lambda m, g: b1 * m + (1 - b1) * g, state.mu, updates)
+        nu = jax.tree.map(lambda v, g: b2 * v + (1 - b2) * g * g, state.nu, updates)
+        updates = jax.tree.map(lambda m, v: m / (jnp.sqrt(v) + eps), mu, nu)
+        return updates, optax.ScaleByAdamState(optax.safe_increment(state.count), mu, nu)
+
+    return optax.GradientTransformation(init_fn, update_fn)
+
+
+# ----------------------------------------------------------------------------------------
+# Layer-wise trust ratio (LAMB)
+
+
+class TrustRatioState(NamedTuple):
+    """ratios: the trust ratio of each tensor in the last update (1 where masked off);
+    scalars, or [L] for stacked leaves. Kept for logging; it does not affect the update."""
+
+    ratios: Any
+
+
+def scale_by_trust_ratio(
+    *,
+    mask: MaskOrFn = None,
+    stacked_layers: MaskOrFn = None,
+    param_norm_bounds: tuple[float, float] | None = None,
+) -> optax.GradientTransformation:
+    """u -> phi(||x||) / ||u|| * u per tensor, 1 where ||x|| = 0 or ||u|| = 0.
+
+    Args:
+      mask: which leaves get a ratio (True) and which keep theirs at 1 (False); None = all.
+      stacked_layers: which leaves stack layers on their leading axis (one ratio per layer).
+      param_norm_bounds: optional (lower, upper) clip of ||x|| (the paper's phi).
+
+    References:
+      You et al., 2020: https://arxiv.org/abs/1904.00962 (LAMB, Algorithm 2)
+    """
+    _check_bounds(param_norm_bounds, "param_norm_bounds")
+
+    def ratio_shape(x, is_stacked):
+        return jnp.ones((x.shape[0],) if is_stacked and x.ndim else (), jnp.float32)
+
+    def init_fn(params):
+        resolve_mask(mask, params, argument="mask", default=True)
+        stacked = resolve_mask(stacked_layers, params, argument="stacked_layers", default=False)
+        return TrustRatioState(jax.tree.map(ratio_shape, params, stacked))
+
+    def update_fn(updates, state, params=None):
+        if params is None:
+            raise ValueError(optax.NO_PARAMS_MSG)
+        applies = resolve_mask(mask, params, argument="mask", default=True)
+        stacked = resolve_mask(stacked_layers, params, argument="stacked_layers", default=False)
+
+        def ratio(u, x, applies_here, is_stacked):
+            if not applies_here:
+                return ratio_shape(x, is_stacked)
+            param_norm = jnp.sqrt(tensor_sq_norms(x, is_stacked))
+            update_norm = jnp.sqrt(tensor_sq_norms(u, is_stacked))
+            guard = (param_norm == 0.0) | (update_norm == 0.0)
+            return safe_ratio(clip_param_norm(param_norm, param_norm_bounds), update_norm, guard)
+
+        ratios = jax.tree.map(ratio, updates, params, applies, stacked)
+        updates = jax.tree.map(
+            lambda u, r: (u * broadcast_per_tensor(r, u)).astype(u.dtype), updates, ratios
+        )
+        return updates, TrustRatioState(ratios)
+
+    return optax.GradientTransformation(init_fn, update_fn)
+
+
+# ----------------------------------------------------------------------------------------
+# The LANS step: two trust-scaled directions
+
+
+class ScaleByLansState(NamedTuple):
+    count: jax.Array  # steps taken, for bias correction
+    mu: Any  # first moment of the normalised gradient
+    nu: Any  # second moment of the normalised gradient
+    adam_ratios: Any  # last update's phi/||r|| per tensor (for logging)
+    gradient_ratios: Any  # last update's phi/||c|| per tensor (for logging)
+
+
+def scale_by_lans(
+    b1: float = 0.9,
+    b2: float = 0.999,
+    eps: float = 1e-6,
+    *,
+    weight_decay: float = 0.0,
+    weight_decay_mask: MaskOrFn = None,
+    stacked_layers: MaskOrFn = None,
+    param_norm_bounds: tuple[float, float] | None = None,
+    bias_correction: bool = True,
+) -> optax.GradientTransformation:
+    """The LANS direction from (already normalised) gradients ĝ:
+
+        m, v = Adam moments of ĝ;  d = sqrt(v̂) + eps
+        r = m̂/d + λx;  c = ĝ/d + λx
+        out = b1 * phi/||r|| * r + (1 - b1) * phi/||c|| * c   (each ratio 1 on a zero norm)
+
+    Chain after `normalize_per_tensor` and before a (negative) learning-rate scaling.
+
+    References:
+      Zheng et al., 2020: https://arxiv.org/abs/2006.13484 (LANS, Algorithm 2)
+    """
+    _check_bounds(param_norm_bounds, "param_norm_bounds")
+
+    def ratio_shape(x, is_stacked):
+        return jnp.ones((x.shape[0],) if is_stacked and x.ndim else (), jnp.float32)
+
+    def init_fn(params):
+        resolve_mask(weight_decay_mask, params, argument="weight_decay_mask", default=True)
+        stacked = resolve_mask(stacked_layers, params, argument="stacked_layers", default=False)
+        zeros = jax.tree.map(jnp.zeros_like, params)
+        ones = jax.tree.map(ratio_shape, params, stacked)
+        return ScaleByLansState(jnp.zeros([], jnp.int32), zeros, zeros, ones, ones)
+
+    def update_fn(updates, state, params=None):
+        if params is None:
+            raise ValueError(optax.NO_PARAMS_MSG)
+        decays = resolve_mask(weight_decay_mask, params, argument="weight_decay_mask", default=True)
+        stacked = resolve_mask(stacked_layers, params, argument="stacked_layers", default=False)
+        count = optax.safe_increment(state.count)
+        mu = jax.tree.map(lambda m, g: b1 * m + (1 - b1) * g, state.mu, updates)
+        nu = jax.tree.map(lambda v, g: b2 * v + (1 - b2) * g * g, state.nu, updates)
+        if bias_correction:
+            mu_correction = 1 - b1 ** count.astype(jnp.float32)
+            nu_correction = 1 - b2 ** count.astype(jnp.float32)
+        else:
+            mu_correction = nu_correction = jnp.float32(1.0)
+
+        def step(g, m, v, x, decays_here, is_stacked):
+            d = jnp.sqrt(v / nu_correction) + eps
+            decay = weight_decay * x if decays_here and weight_decay else 0.0
+            r = m / mu_correction / d + decay
+            c = g / d + decay
+            param_norm = jnp.sqrt(tensor_sq_norms(x, is_stacked))
+            phi = clip_param_norm(param_norm, param_norm_bounds)
+            r_norm = jnp.sqrt(tensor_sq_norms(r, is_stacked))
+            c_norm = jnp.sqrt(tensor_sq_norms(c, is_stacked))
+            r_ratio = safe_ratio(phi, r_norm, (param_norm == 0.0) | (r_norm == 0.0))
+            c_ratio = safe_ratio(phi, c_norm, (param_norm == 0.0) | (c_norm == 0.0))
+            out = (
+                b1 * broadcast_per_tensor(r_ratio, r) * r
+                + (1 - b1) * broadcast_per_tensor(c_ratio, c) * c
+            )
+            return out.astype(x.dtype), r_ratio, c_ratio
+
+        results = jax.tree.map(step, updates, mu, nu, params, decays, stacked)
+        out, adam_ratios, gradient_ratios = jax.tree.transpose(
+            jax.tree.structure(updates), jax.tree.structure((0, 0, 0)), results
+        )
+        return out, ScaleByLansState(count, mu, nu, adam_ratios, gradient_ratios)
+
+    return optax.GradientTransformation(init_fn, update_fn)
+
+
+# ----------------------------------------------------------------------------------------
+# State utilities
+
+
+def _map_states(fn: Callable[[Any], Any], state):
+    """Applies `fn` to every NamedTuple in an optimizer state (chains, masks, injections)."""
+    if isinstance(state, tuple) and hasattr(state, "_fields"):
+        state = fn(state)
+        return type(state)(*(_map_states(fn, field) for field in state))
+    if isinstance(state, tuple | list):
+        return type(state)(_map_states(fn, s) for s in state)
+    if isinstance(state, dict):
+        return {k: _map_states(fn, v) for k, v in state.items()}
+    return state
+
+
+def restart_step_count(opt_state):
+    """Every step counter (Adam's bias correction, schedules, ...) back to 0; moments kept.
+
+    NVIDIA's BERT phase 2 starts this way from phase 1's optimizer state.
+    """
+
+    def restart(s):
+        if "count" in s._fields:
+            return s._replace(count=jnp.zeros_like(s.count))
+        return s
+
+    return _map_states(restart, opt_state)
+
+
+def last_trust_ratios(opt_state) -> dict[str, Any]:
+    """The trust ratios of the last update, by name: `trust_ratio` (LAMB), or
+    `trust_ratio_adam` and `trust_ratio_gradient` (LANS). Empty for other optimizers."""
+    found: dict[str, Any] = {}
+
+    def collect(s):
+        if isinstance(s, TrustRatioState):
+            found["trust_ratio"] = s.ratios
+        elif isinstance(s, ScaleByLansState):
+            found["trust_ratio_adam"] = s.adam_ratios
+            found["trust_ratio_gradient"] = s.gradient_ratios
+        return s
+
+    _map_states(collect, opt_state)
+    return found
