@@ -1,0 +1,1 @@
+"""Models: BERT for pretraining, and Hugging Face `transformers` interop (models.hf)."""
