@@ -8,6 +8,7 @@ INSTALL_REQUIRES = [
     "optax>=0.2.5,<0.3",
     "orbax-checkpoint>=0.12,<0.13",
     "tensorflow-datasets>=4.9,<4.10",
+    "importlib_resources",  # needed by tensorflow-datasets builders, not declared by it
     "grain>=0.2,<0.3",
     "array-record>=0.5",
     "ml_collections>=1,<2",

@@ -1,0 +1,43 @@
+"""Pretraining data: sources, WordPiece, BERT examples in a TFDS dataset, grain pipeline.
+
+prepared = data.prepare(config.data, max_seq_length=128)
+batches = data.make_iterator(prepared, split="train", global_batch_size=256,
+                             max_predictions_per_seq=20, seed=0,
+                             process_index=jax.process_index(),
+                             process_count=jax.process_count())
+"""
+
+import ml_collections
+
+from lambjax.data.builder import Prepared, prepare
+from lambjax.data.pipeline import BatchIterator, make_iterator
+from lambjax.data.sources import DataError
+
+
+def default_config() -> ml_collections.ConfigDict:
+    """The data fields of an experiment config (`config.data`)."""
+    return ml_collections.ConfigDict(
+        {
+            # "embedded" | "text:GLOB" | "tfds:NAME[:SPLIT]"
+            "source": "embedded",
+            # A BERT vocab.txt path, or "train" (WordPiece trained on the corpus).
+            "vocab": "train",
+            "vocab_size": 8192,  # when training the vocabulary
+            "lower_case": True,
+            "whole_word_masking": False,
+            # True: BERT's A/B sentence pairs with 50% random next; False: full-sentence
+            # packing without NSP.
+            "next_sentence_prediction": True,
+            "short_seq_prob": 0.1,
+            "masked_lm_prob": 0.15,
+            "validation_fraction": 0.05,  # of documents, held out whole
+            "build_seed": 12345,
+            # Where built datasets (and trained vocabularies) live; None: ~/tensorflow_datasets.
+            "data_dir": ml_collections.FieldReference(None, field_type=str),
+            # TFDS data dir of a `tfds:` source; None: TFDS's default.
+            "tfds_data_dir": ml_collections.FieldReference(None, field_type=str),
+        }
+    )
+
+
+__all__ = ["BatchIterator", "DataError", "Prepared", "default_config", "make_iterator", "prepare"]

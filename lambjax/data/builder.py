@@ -1,0 +1,212 @@
+"""The TFDS dataset of pretraining examples, and `prepare`, which builds or reuses it.
+
+One dataset per (source content, vocabulary, example options, max_seq_length): its TFDS
+config name is a hash of all of them, so identical inputs reuse the existing build and any
+change builds a new one beside it (nothing is overwritten). TFDS writes into a temporary
+directory and renames it when complete, so an interrupted build never looks complete.
+Stored as ArrayRecord, for the random access grain needs. Validation holds whole
+documents out (`validation_fraction` of them, chosen by a hash of the document index).
+"""
+
+import dataclasses
+import hashlib
+import json
+import os
+import tempfile
+
+import numpy as np
+import tensorflow_datasets as tfds
+from absl import logging
+
+from lambjax.data import examples as examples_lib
+from lambjax.data import sources, tokenization
+from lambjax.data.sources import DataError
+
+tfds.disable_progress_bar()
+
+FEATURES = tfds.features.FeaturesDict(
+    {
+        "input_ids": tfds.features.Tensor(shape=(None,), dtype=np.int32),
+        "segment_ids": tfds.features.Tensor(shape=(None,), dtype=np.int32),
+        "next_sentence_label": tfds.features.Scalar(dtype=np.int32),
+    }
+)
+
+
+@dataclasses.dataclass
+class Prepared:
+    """A built dataset, ready for `make_iterator`."""
+
+    data_sources: dict  # split name -> random-access source of examples
+    vocab_file: str
+    vocab_size: int
+    special_ids: dict[str, int]  # pad, unk, cls, sep, mask
+    continuation_ids: tuple[int, ...]  # "##" word pieces (whole word masking)
+    max_seq_length: int
+    data_config: dict
+
+    def num_examples(self, split: str) -> int:
+        return len(self.data_sources[split])
+
+
+class PretrainingExamples(tfds.core.GeneratorBasedBuilder):
+    """Tokenized BERT pretraining examples (masking is applied when reading)."""
+
+    VERSION = tfds.core.Version("1.0.0")
+
+    def __init__(self, *, key: str, description: str, make_examples=None, **kwargs):
+        self._make_examples = make_examples
+        self._description = description
+        super().__init__(config=tfds.core.BuilderConfig(name=key), **kwargs)
+
+    def _info(self):
+        return self.dataset_info_from_configs(features=FEATURES, description=self._description)
+
+    def _split_generators(self, dl_manager):
+        del dl_manager
+        splits = self._make_examples()
+        return {name: self._generate_examples(examples) for name, examples in splits.items()}
+
+    def _generate_examples(self, examples):
+        yield from enumerate(examples)
+
+
+def default_data_dir() -> str:
+    return os.path.join(os.path.expanduser("~"), "tensorflow_datasets")
+
+
+def prepare(data_config, max_seq_length: int, *, data_dir: str | None = None) -> Prepared:
+    """Builds (or reuses) the dataset of `data_config` at `max_seq_length`."""
+    config = data_config.to_dict() if hasattr(data_config, "to_dict") else dict(data_config)
+    data_dir = data_dir or config.get("data_dir") or default_data_dir()
+    _check_config(config)
+    fingerprint = sources.fingerprint(config["source"], tfds_data_dir=config["tfds_data_dir"])
+    documents = None
+
+    def load_documents():
+        nonlocal documents
+        if documents is None:
+            documents, skipped = sources.read_documents(
+                config["source"], tfds_data_dir=config["tfds_data_dir"]
+            )
+            if not documents:
+                raise DataError(f"config.data.source={config['source']!r} holds no text")
+            for reason, count in skipped.items():
+                logging.warning("Data build skipped %d %s", count, reason)
+        return documents
+
+    vocab_file = _vocab_file(config, fingerprint, data_dir, load_documents)
+    tokenizer = tokenization.load(vocab_file, config["lower_case"])
+    special = tokenization.special_ids(tokenizer)
+    options = examples_lib.ExampleOptions(
+        max_seq_length=max_seq_length,
+        next_sentence_prediction=config["next_sentence_prediction"],
+        short_seq_prob=config["short_seq_prob"],
+        cls_id=special["cls"],
+        sep_id=special["sep"],
+    )
+    inputs = {
+        "source": fingerprint,
+        "vocab": _file_hash(vocab_file),
+        "lower_case": config["lower_case"],
+        "options": dataclasses.asdict(options),
+        "validation_fraction": config["validation_fraction"],
+        "build_seed": config["build_seed"],
+    }
+    key = "k" + hashlib.sha256(json.dumps(inputs, sort_keys=True).encode()).hexdigest()[:16]
+
+    def make_examples():
+        return _split_examples(load_documents(), tokenizer, options, config)
+
+    builder = PretrainingExamples(
+        key=key,
+        description=json.dumps({**inputs, "source": config["source"]}),
+        make_examples=make_examples,
+        data_dir=data_dir,
+        file_format="array_record",
+    )
+    if not builder.is_prepared():
+        logging.info(
+            "Building pretraining examples %s (seq %d) in %s", key, max_seq_length, data_dir
+        )
+        builder.download_and_prepare(
+            download_config=tfds.download.DownloadConfig(
+                try_download_gcs=False, verify_ssl=False, max_examples_per_split=None
+            )
+        )
+    data_sources = {split: builder.as_data_source(split=split) for split in builder.info.splits}
+    vocab = tokenizer.get_vocab()
+    return Prepared(
+        data_sources=data_sources,
+        vocab_file=vocab_file,
+        vocab_size=tokenizer.get_vocab_size(),
+        special_ids=special,
+        continuation_ids=tuple(sorted(i for t, i in vocab.items() if t.startswith("##"))),
+        max_seq_length=max_seq_length,
+        data_config=config,
+    )
+
+
+def _check_config(config: dict) -> None:
+    if not 0 <= config["validation_fraction"] < 1:
+        raise DataError(
+            f"config.data.validation_fraction={config['validation_fraction']} must lie in [0, 1)"
+        )
+    if not 0 <= config["short_seq_prob"] <= 1:
+        raise DataError(f"config.data.short_seq_prob={config['short_seq_prob']} must lie in [0, 1]")
+
+
+def _file_hash(path: str) -> str:
+    with open(path, "rb") as f:
+        return hashlib.sha256(f.read()).hexdigest()
+
+
+def _vocab_file(config: dict, fingerprint: str, data_dir: str, load_documents) -> str:
+    """config.data.vocab as a path, or "train": a vocabulary trained once per corpus."""
+    if config["vocab"] != "train":
+        return os.path.expanduser(config["vocab"])
+    key = hashlib.sha256(
+        json.dumps([fingerprint, config["vocab_size"], config["lower_case"]]).encode()
+    ).hexdigest()[:16]
+    path = os.path.join(data_dir, "lambjax_vocab", key, "vocab.txt")
+    if not os.path.exists(path):
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        # Written beside, then renamed: a crash never leaves a partial vocabulary.
+        handle, temporary = tempfile.mkstemp(dir=os.path.dirname(path), suffix=".incomplete")
+        os.close(handle)
+        tokenization.train_vocab(
+            load_documents(), config["vocab_size"], config["lower_case"], temporary
+        )
+        os.replace(temporary, path)
+    return path
+
+
+def _split_examples(documents, tokenizer, options, config) -> dict[str, list[dict]]:
+    """Holds out whole documents for validation, then makes each split's examples."""
+    fraction = config["validation_fraction"]
+    by_split = {"train": [], "validation": []}
+    for index, document in enumerate(documents):
+        digest = hashlib.sha256(f"{config['build_seed']}:{index}".encode()).digest()
+        draw = int.from_bytes(digest[:8], "little") / 2**64
+        by_split["validation" if draw < fraction else "train"].append(document)
+    out = {}
+    for split, docs in by_split.items():
+        if not docs:
+            continue
+        tokenized = examples_lib.tokenize_documents(docs, tokenizer)
+        seed = config["build_seed"] + (0 if split == "train" else 1)
+        examples, skipped = examples_lib.create_examples(tokenized, options, seed)
+        for reason, count in skipped.items():
+            logging.warning("Data build (%s) skipped %d %s", split, count, reason)
+        out[split] = examples
+    if not out.get("train"):
+        raise DataError(
+            f"config.data.source={config['source']!r} gave no training examples "
+            f"({len(documents)} documents; too short or all held out for validation)"
+        )
+    logging.info(
+        "Built %s examples at seq %d",
+        {k: len(v) for k, v in out.items()},
+        options.max_seq_length,
+    )
+    return out
