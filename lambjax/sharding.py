@@ -36,9 +36,8 @@ LOGICAL_AXIS_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
 _RULES = dict(LOGICAL_AXIS_RULES)
 
 
-def make_mesh(mesh_shape: Mapping[str, int], devices: Sequence[jax.Device] | None = None) -> Mesh:
-    """Builds a mesh with axes `MESH_AXES`; one size may be -1 to take the remaining devices."""
-    devices = list(jax.devices() if devices is None else devices)
+def mesh_shape(mesh_shape: Mapping[str, int], num_devices: int) -> dict[str, int]:
+    """Resolves a mesh shape ({axis: size}, one size may be -1) for `num_devices` devices."""
     unknown = set(mesh_shape) - set(MESH_AXES)
     if unknown:
         raise ValueError(f"mesh axes {sorted(unknown)} are unknown; valid axes: {MESH_AXES}")
@@ -49,18 +48,25 @@ def make_mesh(mesh_shape: Mapping[str, int], devices: Sequence[jax.Device] | Non
         raise ValueError(f"mesh {dict(mesh_shape)}: sizes must be positive or -1")
     known = int(np.prod([s for s in sizes if s != -1]))
     if -1 in sizes:
-        if len(devices) % known:
+        if num_devices % known:
             raise ValueError(
-                f"mesh {dict(mesh_shape)} does not fit {len(devices)} devices: the fixed axes "
-                f"multiply to {known}, which does not divide {len(devices)}"
+                f"mesh {dict(mesh_shape)} does not fit {num_devices} devices: the fixed axes "
+                f"multiply to {known}, which does not divide {num_devices}"
             )
-        sizes[sizes.index(-1)] = len(devices) // known
-    if int(np.prod(sizes)) != len(devices):
+        sizes[sizes.index(-1)] = num_devices // known
+    if int(np.prod(sizes)) != num_devices:
         raise ValueError(
             f"mesh {dict(zip(MESH_AXES, sizes, strict=True))} needs {int(np.prod(sizes))} "
-            f"devices but {len(devices)} are available"
+            f"devices but {num_devices} are available"
         )
-    device_grid = np.asarray(devices, dtype=object).reshape(sizes)
+    return dict(zip(MESH_AXES, sizes, strict=True))
+
+
+def make_mesh(shape: Mapping[str, int], devices: Sequence[jax.Device] | None = None) -> Mesh:
+    """Builds a mesh with axes `MESH_AXES`; one size may be -1 to take the remaining devices."""
+    devices = list(jax.devices() if devices is None else devices)
+    sizes = mesh_shape(shape, len(devices))
+    device_grid = np.asarray(devices, dtype=object).reshape([sizes[a] for a in MESH_AXES])
     return Mesh(device_grid, MESH_AXES)
 
 

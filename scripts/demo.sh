@@ -3,4 +3,4 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/venv.sh
-exec .venv/bin/python -m lambjax.demo "$@"
+exec .venv/bin/python -m lambjax.main --config=configs/default.py --workdir="${WORKDIR:-workdir/demo}" "$@"

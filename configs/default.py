@@ -1,0 +1,43 @@
+"""The embedded demo: a tiny BERT, both phases, on the corpus every Python ships.
+
+  python -m lambjax.main --config=configs/default.py --workdir=workdir/demo
+
+A few minutes on 2 CPU cores. LAMB with NVIDIA's settings and schedule shape; the learning
+rates suit this small batch (the paper's are for batch 65,536).
+"""
+
+from lambjax.train import config as config_lib
+
+
+def get_config(arg=None):
+    config = config_lib.base_config()
+    config.model.preset = "tiny"
+    # XLA:CPU runs float32 matmuls faster than bfloat16; on TPU/GPU use "bfloat16".
+    config.model.overrides.dtype = "float32"
+    config.data.source = "embedded"
+    config.data.vocab = "train"
+    config.data.vocab_size = 4096
+    config_lib.with_phases(
+        config,
+        phase1=config_lib.phase_config(
+            max_seq_length=128,
+            max_predictions_per_seq=20,
+            global_batch_size=32,
+            num_steps=300,
+            learning_rate=2e-3,
+            warmup_fraction=0.1,
+        ),
+        phase2=config_lib.phase_config(
+            max_seq_length=512,
+            max_predictions_per_seq=80,
+            global_batch_size=8,
+            num_steps=40,
+            learning_rate=1e-3,
+            warmup_fraction=0.1,
+        ),
+    )
+    config.log_every_steps = 20
+    config.eval_every_steps = 100
+    config.eval_batch_size = 16
+    config.checkpoint_every_steps = 100
+    return config_lib.apply_variant(config, arg)

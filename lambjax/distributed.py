@@ -1,0 +1,55 @@
+"""Joining JAX's multi-controller runtime (one process per host, or per GPU under SLURM).
+
+`initialize` must run before anything touches a JAX backend. Explicit arguments win; else
+the cluster is detected from the environment (Cloud TPU VM pods, SLURM) by JAX itself; with
+neither, the run is a single process.
+"""
+
+import os
+
+from absl import logging
+
+
+def cluster_detected() -> bool:
+    """True inside a multi-host Cloud TPU VM slice or a multi-task SLURM job."""
+    tpu_hosts = os.environ.get("TPU_WORKER_HOSTNAMES", "")
+    if "," in tpu_hosts:
+        return True
+    return int(os.environ.get("SLURM_NTASKS", "1")) > 1 and "SLURM_JOB_ID" in os.environ
+
+
+def initialize(
+    coordinator_address: str | None = None,
+    num_processes: int | None = None,
+    process_id: int | None = None,
+) -> None:
+    import jax
+
+    given = [coordinator_address, num_processes, process_id]
+    if any(v is not None for v in given):
+        if any(v is None for v in given):
+            raise ValueError(
+                "--coordinator_address, --num_processes and --process_id go together; got "
+                f"coordinator_address={coordinator_address!r}, num_processes={num_processes}, "
+                f"process_id={process_id}"
+            )
+        if not 0 <= process_id < num_processes:
+            raise ValueError(f"--process_id={process_id} must lie in [0, {num_processes})")
+        if _platform() == "cpu":
+            # Cross-process collectives on CPU go through gloo (TCP).
+            jax.config.update("jax_cpu_collectives_implementation", "gloo")
+        jax.distributed.initialize(coordinator_address, num_processes, process_id)
+    elif cluster_detected():
+        jax.distributed.initialize()
+    else:
+        return
+    logging.info("jax.distributed: process %d of %d", jax.process_index(), jax.process_count())
+
+
+def _platform() -> str:
+    platforms = os.environ.get("JAX_PLATFORMS", "")
+    return platforms.split(",")[0] if platforms else "cpu" if not _has_accelerator() else "gpu"
+
+
+def _has_accelerator() -> bool:
+    return os.path.exists("/dev/nvidia0") or os.path.exists("/dev/accel0")

@@ -1,0 +1,1 @@
+"""Training: config, pure train/eval steps, checkpoints, metrics and the phase loop."""

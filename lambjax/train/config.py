@@ -1,0 +1,342 @@
+"""The experiment config: its fields, the building blocks the files in configs/ share, and
+its validation.
+
+A config is an `ml_collections.ConfigDict`:
+
+  seed, workdir-independent run settings (log/eval/checkpoint intervals, ...)
+  model:      a preset name plus field overrides for `lambjax.models.bert.BertConfig`
+  data:       `lambjax.data.default_config()` (source, vocab, ...)
+  optimizer:  the default optimizer of every phase (name, betas, weight decay, clipping)
+  mesh:       the default device mesh of every phase ({data, fsdp, tensor} sizes; -1 = rest)
+  phases:     name -> phase (sequence length, global batch, accumulation, steps, schedule,
+              and optional `optimizer` / `mesh` overrides for that phase)
+  phase_order: the phase names in the order they run.
+"""
+
+import ml_collections
+
+from lambjax import data as data_lib
+from lambjax.models import bert
+
+OPTIMIZERS = ("lamb", "lans", "adamw")
+SCHEDULES = ("poly_warmup", "warmup_constant_decay", "constant")
+OPTIMIZER_STATE_AT_PHASE_START = ("keep", "reset")
+
+
+class ConfigError(ValueError):
+    """A config that cannot run; the message names the field and the valid values."""
+
+
+def optimizer_config(name: str = "lamb") -> ml_collections.ConfigDict:
+    """NVIDIA's BERT recipe settings; `lans` takes the same fields where they apply."""
+    return ml_collections.ConfigDict(
+        {
+            "name": name,
+            "b1": 0.9,
+            "b2": 0.999,
+            "eps": 1e-6,
+            "weight_decay": 0.01,
+            # Global gradient-norm pre-clip (NVIDIA and the LANS scripts: 1.0); None = off.
+            "max_global_norm": 1.0,
+            # LAMB only: no trust ratio for biases and LayerNorm (NVIDIA's recipe). False
+            # gives the paper's / optax's LAMB, where every tensor gets a ratio.
+            "exclude_norms_and_biases_from_trust_ratio": True,
+            "bias_correction": True,
+        }
+    )
+
+
+def phase_config(
+    *,
+    max_seq_length: int,
+    max_predictions_per_seq: int,
+    global_batch_size: int,
+    num_steps: int,
+    learning_rate: float,
+    schedule: str = "poly_warmup",
+    warmup_fraction: float = 0.01,
+    constant_fraction: float = 0.0,
+    grad_accum_steps: int = 1,
+    optimizer_state: str = "keep",
+) -> ml_collections.ConfigDict:
+    return ml_collections.ConfigDict(
+        {
+            "max_seq_length": max_seq_length,
+            "max_predictions_per_seq": max_predictions_per_seq,
+            "global_batch_size": global_batch_size,
+            "grad_accum_steps": grad_accum_steps,
+            "num_steps": num_steps,
+            "learning_rate": learning_rate,
+            "schedule": schedule,
+            "warmup_fraction": warmup_fraction,
+            "constant_fraction": constant_fraction,
+            # NVIDIA: poly power 0.5; LANS: linear decay (degree 1).
+            "decay_power": 0.5 if schedule == "poly_warmup" else 1.0,
+            # At the start of a later phase: keep the previous phase's moments (with the
+            # step count and bias correction restarted, as NVIDIA's phase 2) or start fresh.
+            "optimizer_state": optimizer_state,
+            # Field overrides of the top-level optimizer / mesh for this phase only.
+            "optimizer": ml_collections.ConfigDict(),
+            "mesh": ml_collections.ConfigDict(),
+        }
+    )
+
+
+def base_config() -> ml_collections.ConfigDict:
+    """Fields every experiment has, with the embedded tiny demo's values."""
+    config = ml_collections.ConfigDict()
+    config.seed = 0
+    config.model = ml_collections.ConfigDict(
+        {
+            "preset": "tiny",
+            # Fields of BertConfig to override; vocab_size defaults to the data's vocab.
+            "overrides": ml_collections.ConfigDict({"dtype": "bfloat16"}),
+        }
+    )
+    config.data = data_lib.default_config()
+    config.optimizer = optimizer_config("lamb")
+    config.mesh = ml_collections.ConfigDict({"data": -1, "fsdp": 1, "tensor": 1})
+    config.phases = ml_collections.ConfigDict()
+    config.phase_order = ()
+    config.log_every_steps = 10
+    config.eval_every_steps = 100
+    config.eval_batch_size = 32
+    # Validation batches per evaluation; 0 = the whole held-out split.
+    config.eval_steps = 0
+    config.checkpoint_every_steps = 100
+    config.max_checkpoints_to_keep = 3
+    config.async_checkpointing = True
+    # Stop when this many consecutive steps had a non-finite loss or gradient.
+    config.max_consecutive_nonfinite_steps = 10
+    # Peak FLOP/s of one device, for MFU; 0 = look up by device kind (unknown: no MFU).
+    config.peak_flops_per_device = 0.0
+    # Capture a profile of a few steps into the workdir (clu Profile action).
+    config.profile = False
+    return config
+
+
+def with_phases(config: ml_collections.ConfigDict, **phases) -> ml_collections.ConfigDict:
+    """Sets `config.phases` and `config.phase_order` from keyword arguments, in order."""
+    config.phases = ml_collections.ConfigDict(phases)
+    config.phase_order = tuple(phases)
+    return config
+
+
+def phase_optimizer(config, phase_name: str) -> ml_collections.ConfigDict:
+    """The top-level optimizer config with the phase's overrides applied."""
+    merged = ml_collections.ConfigDict(config.optimizer.to_dict())
+    merged.update(config.phases[phase_name].optimizer.to_dict())
+    return merged
+
+
+def phase_mesh(config, phase_name: str) -> dict[str, int]:
+    merged = dict(config.mesh.to_dict())
+    merged.update(config.phases[phase_name].mesh.to_dict())
+    return merged
+
+
+def model_config(config, vocab_size: int) -> bert.BertConfig:
+    overrides = dict(config.model.overrides.to_dict())
+    overrides.setdefault("vocab_size", vocab_size)
+    try:
+        return bert.BertConfig.preset(config.model.preset, **overrides)
+    except TypeError as e:  # an override that is no BertConfig field
+        raise ConfigError(f"config.model.overrides: {e}") from e
+
+
+def validate(config, *, num_devices: int, process_count: int = 1) -> None:
+    """Checks everything that can be checked before any data or model is built."""
+    if not config.phase_order:
+        raise ConfigError("config.phase_order is empty: name at least one phase")
+    unknown = [p for p in config.phase_order if p not in config.phases]
+    if unknown:
+        raise ConfigError(
+            f"config.phase_order names {unknown}, which are not in config.phases "
+            f"({sorted(config.phases.keys())})"
+        )
+    for field in ("log_every_steps", "eval_every_steps", "checkpoint_every_steps"):
+        if config[field] <= 0:
+            raise ConfigError(f"config.{field}={config[field]} must be a positive integer")
+    if config.eval_batch_size <= 0 or config.eval_batch_size % process_count:
+        raise ConfigError(
+            f"config.eval_batch_size={config.eval_batch_size} must be positive and divisible "
+            f"by the number of processes ({process_count})"
+        )
+    for index, name in enumerate(config.phase_order):
+        validate_phase(config, name, index, num_devices=num_devices, process_count=process_count)
+
+
+def validate_phase(config, name: str, index: int, *, num_devices: int, process_count: int):
+    phase = config.phases[name]
+    where = f"config.phases.{name}"
+    for field in ("max_seq_length", "max_predictions_per_seq", "global_batch_size", "num_steps"):
+        if phase[field] <= 0:
+            raise ConfigError(f"{where}.{field}={phase[field]} must be a positive integer")
+    if phase.max_predictions_per_seq > phase.max_seq_length:
+        raise ConfigError(
+            f"{where}.max_predictions_per_seq={phase.max_predictions_per_seq} exceeds "
+            f"max_seq_length={phase.max_seq_length}"
+        )
+    if phase.learning_rate <= 0:
+        raise ConfigError(f"{where}.learning_rate={phase.learning_rate} must be positive")
+    if phase.schedule not in SCHEDULES:
+        raise ConfigError(f"{where}.schedule={phase.schedule!r}; valid: {SCHEDULES}")
+    if not 0 <= phase.warmup_fraction + phase.constant_fraction <= 1:
+        raise ConfigError(
+            f"{where}: warmup_fraction + constant_fraction = "
+            f"{phase.warmup_fraction + phase.constant_fraction} must lie in [0, 1]"
+        )
+    if phase.optimizer_state not in OPTIMIZER_STATE_AT_PHASE_START:
+        raise ConfigError(
+            f"{where}.optimizer_state={phase.optimizer_state!r}; "
+            f"valid: {OPTIMIZER_STATE_AT_PHASE_START}"
+        )
+    optimizer = phase_optimizer(config, name)
+    if optimizer.name not in OPTIMIZERS:
+        raise ConfigError(f"optimizer name {optimizer.name!r} ({where}); valid: {OPTIMIZERS}")
+    if index > 0 and phase.optimizer_state == "keep":
+        previous = config.phase_order[index - 1]
+        if phase_optimizer(config, previous).name != optimizer.name:
+            raise ConfigError(
+                f"{where}.optimizer_state='keep' needs the same optimizer as phase "
+                f"{previous!r}; set it to 'reset' to change optimizers"
+            )
+    accum = phase.grad_accum_steps
+    if accum <= 0 or phase.global_batch_size % accum:
+        raise ConfigError(
+            f"{where}.global_batch_size={phase.global_batch_size} is not divisible by "
+            f"grad_accum_steps={accum}"
+        )
+    mesh = phase_mesh(config, name)
+    data_parallel = _data_parallel_size(mesh, num_devices, where)
+    micro_batch = phase.global_batch_size // accum
+    if micro_batch % data_parallel:
+        raise ConfigError(
+            f"{where}: the micro-batch global_batch_size/grad_accum_steps = "
+            f"{phase.global_batch_size}/{accum} = {micro_batch} does not divide over the "
+            f"{data_parallel} data-parallel devices (mesh data x fsdp); valid micro-batches are "
+            f"multiples of {data_parallel}"
+        )
+    if phase.global_batch_size % process_count:
+        raise ConfigError(
+            f"{where}.global_batch_size={phase.global_batch_size} does not divide over "
+            f"{process_count} processes"
+        )
+
+
+def _data_parallel_size(mesh: dict, num_devices: int, where: str) -> int:
+    from lambjax import sharding
+
+    try:
+        shape = sharding.mesh_shape(mesh, num_devices)
+    except ValueError as e:
+        raise ConfigError(f"{where}: {e}") from e
+    return shape["data"] * shape["fsdp"]
+
+
+def runlocal(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
+    """The same recipe (optimizer, schedules, phases) shrunk to run on a CPU in minutes."""
+    config.model.preset = "tiny"
+    config.model.overrides = ml_collections.ConfigDict({"dtype": "float32"})
+    config.data.source = "embedded"
+    config.data.vocab = "train"
+    config.data.vocab_size = 2048
+    for name in config.phase_order:
+        phase = config.phases[name]
+        long = phase.max_seq_length > 128
+        phase.global_batch_size = 16 if long else 32
+        phase.grad_accum_steps = 2
+        phase.num_steps = 6
+    config.log_every_steps = 2
+    config.eval_every_steps = 6
+    config.eval_batch_size = 8
+    config.eval_steps = 2
+    config.checkpoint_every_steps = 3
+    return config
+
+
+def nvidia_lamb_recipe(preset: str) -> ml_collections.ConfigDict:
+    """NVIDIA's BERT pretraining with LAMB (DeepLearningExamples): 65,536 then 32,768.
+
+    Gradient accumulation here suits 256 devices (micro-batches of 64 x 128 tokens and
+    8 x 512 tokens per device); set grad_accum_steps for your pod.
+    """
+    config = base_config()
+    config.model.preset = preset
+    config.data.source = "tfds:wikipedia/20230601.en"
+    config.data.vocab_size = 30522
+    config.optimizer = optimizer_config("lamb")
+    with_phases(
+        config,
+        phase1=phase_config(
+            max_seq_length=128,
+            max_predictions_per_seq=20,
+            global_batch_size=65536,
+            grad_accum_steps=4,
+            num_steps=7038,
+            learning_rate=6e-3,
+            warmup_fraction=0.2843,
+        ),
+        phase2=phase_config(
+            max_seq_length=512,
+            max_predictions_per_seq=80,
+            global_batch_size=32768,
+            grad_accum_steps=16,
+            num_steps=1563,
+            learning_rate=4e-3,
+            warmup_fraction=0.128,
+        ),
+    )
+    config.log_every_steps = 10
+    config.eval_every_steps = 500
+    config.eval_batch_size = 1024
+    config.eval_steps = 10
+    config.checkpoint_every_steps = 200
+    return config
+
+
+def lans_recipe(preset: str) -> ml_collections.ConfigDict:
+    """LANS (Zheng et al.): batch 96K (98,304) then 33K (32,768), warmup-constant-decay.
+
+    From the paper: the batch sizes and the schedule's shape. The learning rate, warmup and
+    constant fractions are those of the authors' later GluonNLP LANS script (5e-3, 0.05,
+    0.25); the step counts keep NVIDIA's number of samples per phase. Neither is published
+    for the 54-minute run.
+    """
+    config = nvidia_lamb_recipe(preset)
+    config.optimizer = optimizer_config("lans")
+    with_phases(
+        config,
+        phase1=phase_config(
+            max_seq_length=128,
+            max_predictions_per_seq=20,
+            global_batch_size=98304,
+            grad_accum_steps=6,
+            num_steps=4692,
+            learning_rate=5e-3,
+            schedule="warmup_constant_decay",
+            warmup_fraction=0.05,
+            constant_fraction=0.25,
+        ),
+        phase2=phase_config(
+            max_seq_length=512,
+            max_predictions_per_seq=80,
+            global_batch_size=32768,
+            grad_accum_steps=16,
+            num_steps=1563,
+            learning_rate=5e-3,
+            schedule="warmup_constant_decay",
+            warmup_fraction=0.05,
+            constant_fraction=0.25,
+        ),
+    )
+    return config
+
+
+def apply_variant(config: ml_collections.ConfigDict, arg: str | None):
+    """The variants every recipe config accepts (`--config=configs/X.py:VARIANT`)."""
+    if arg in (None, ""):
+        return config
+    if arg == "runlocal":
+        return runlocal(config)
+    raise ConfigError(f"unknown config variant {arg!r}; valid: runlocal")

@@ -1,0 +1,99 @@
+"""Metric writing: clu writers (TensorBoard + log) and a JSON-lines copy, and MFU."""
+
+import json
+import os
+import time
+
+import jax
+import numpy as np
+from clu import metric_writers
+
+# Peak dense bf16 FLOP/s of one JAX device, by `device_kind` prefix (vendor data sheets).
+PEAK_FLOPS_BY_DEVICE_KIND = {
+    "TPU v3": 61.5e12,  # one core; a v3 chip (2 cores) is 123 TFLOP/s
+    "TPU v4": 275e12,
+    "TPU v5 lite": 197e12,
+    "TPU v5e": 197e12,
+    "TPU v5p": 459e12,
+    "TPU v5": 459e12,
+    "TPU v6 lite": 918e12,
+    "NVIDIA H200": 989e12,
+    "NVIDIA H100": 989e12,
+    "NVIDIA A100": 312e12,
+}
+
+
+def peak_flops_per_device(configured: float) -> float | None:
+    """The configured peak, else the data-sheet peak of this device kind, else None."""
+    if configured:
+        return float(configured)
+    kind = jax.devices()[0].device_kind
+    for prefix, flops in PEAK_FLOPS_BY_DEVICE_KIND.items():
+        if kind.startswith(prefix):
+            return flops
+    return None
+
+
+class JsonlWriter(metric_writers.MetricWriter):
+    """Appends every scalar write as one JSON line: easy to read back in tests and scripts."""
+
+    def __init__(self, path: str):
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        self._file = open(path, "a", encoding="utf-8")  # noqa: SIM115 - closed in close()
+
+    def write_scalars(self, step, scalars):
+        record = {"step": int(step), "time": time.time()}
+        record.update({k: float(np.asarray(v)) for k, v in scalars.items()})
+        self._file.write(json.dumps(record) + "\n")
+
+    def write_summaries(self, step, values, metadata=None):
+        pass
+
+    def write_images(self, step, images):
+        pass
+
+    def write_videos(self, step, videos):
+        pass
+
+    def write_audios(self, step, audios, *, sample_rate):
+        pass
+
+    def write_texts(self, step, texts):
+        pass
+
+    def write_histograms(self, step, arrays, num_buckets=None):
+        pass
+
+    def write_pointcloud(self, step, point_clouds, *, point_colors=None, configs=None):
+        pass
+
+    def write_hparams(self, hparams):
+        pass
+
+    def flush(self):
+        self._file.flush()
+
+    def close(self):
+        self._file.close()
+
+
+def create_writer(workdir: str) -> metric_writers.MetricWriter:
+    """TensorBoard + log on process 0 (and `metrics.jsonl`); log-only elsewhere."""
+    if jax.process_index() > 0:
+        return metric_writers.create_default_writer(workdir, just_logging=True)
+    return metric_writers.MultiWriter(
+        [
+            metric_writers.create_default_writer(workdir, asynchronous=False),
+            JsonlWriter(os.path.join(workdir, "metrics.jsonl")),
+        ]
+    )
+
+
+def read_jsonl(path: str) -> dict[int, dict]:
+    """metrics.jsonl as {step: merged record}; a later record of a step wins (resumed runs)."""
+    records: dict[int, dict] = {}
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            record = json.loads(line)
+            records.setdefault(record["step"], {}).update(record)
+    return records

@@ -1,0 +1,155 @@
+"""The pure train and eval steps. Only the trainer jits them (with shardings and donation).
+
+Gradient accumulation: the global batch [G, ...] is split into `grad_accum_steps` micro-batches
+that a `lax.scan` walks through, summing gradients; the update is applied once after the scan.
+Losses are sums over the micro-batch divided by counts over the *global* batch, so the
+accumulated gradient is exactly the gradient of the global-batch loss, whatever the number of
+micro-batches or devices.
+"""
+
+import functools
+from typing import Any
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import optax
+
+from lambjax import optim
+from lambjax.models import bert
+
+STAT_KEYS = (
+    "mlm_loss_sum",
+    "mlm_weight_sum",
+    "mlm_correct_sum",
+    "nsp_loss_sum",
+    "nsp_correct_sum",
+    "nsp_count",
+)
+
+
+class TrainState(flax.struct.PyTreeNode):
+    step: jax.Array  # optimizer steps taken in the current phase
+    params: Any
+    opt_state: Any
+    consecutive_nonfinite: jax.Array  # steps in a row whose update was skipped
+    total_nonfinite: jax.Array
+
+    @classmethod
+    def create(cls, params, optimizer: optax.GradientTransformation) -> "TrainState":
+        def zero():
+            return jnp.zeros((), jnp.int32)
+
+        return cls(zero(), params, optimizer.init(params), zero(), zero())
+
+
+def split_microbatches(batch: dict, num_microbatches: int) -> dict:
+    """[G, ...] -> [num_microbatches, G / num_microbatches, ...], interleaved.
+
+    Micro-batch i takes rows i, i + n, i + 2n, ...: every device keeps its own rows, so the
+    split needs no communication, and the micro-batches are the same sets of examples on any
+    number of devices.
+    """
+
+    def split(x):
+        x = x.reshape(x.shape[0] // num_microbatches, num_microbatches, *x.shape[1:])
+        return jnp.swapaxes(x, 0, 1)
+
+    return jax.tree.map(split, batch)
+
+
+def metrics_from_stats(stats: dict) -> dict:
+    mlm_weight = jnp.maximum(stats["mlm_weight_sum"], 1e-9)
+    nsp_count = jnp.maximum(stats["nsp_count"], 1)
+    return {
+        "mlm_loss": stats["mlm_loss_sum"] / mlm_weight,
+        "mlm_accuracy": stats["mlm_correct_sum"] / mlm_weight,
+        "nsp_loss": stats["nsp_loss_sum"] / nsp_count,
+        "nsp_accuracy": stats["nsp_correct_sum"] / nsp_count,
+    }
+
+
+def train_step(
+    state: TrainState,
+    batch: dict,
+    rng: jax.Array,
+    *,
+    model_config: bert.BertConfig,
+    optimizer: optax.GradientTransformation,
+    schedule: optax.Schedule,
+    grad_accum_steps: int,
+    nsp_loss_weight: float = 1.0,
+) -> tuple[TrainState, dict]:
+    """One optimizer step on one global batch. Returns the new state and scalar metrics."""
+    mlm_total = jnp.maximum(jnp.sum(batch["masked_lm_weights"].astype(jnp.float32)), 1e-9)
+    nsp_total = jnp.float32(batch["input_ids"].shape[0])
+    step_rng = jax.random.fold_in(rng, state.step)
+
+    def loss_fn(params, microbatch, dropout_rng):
+        stats = bert.pretraining_stats(model_config, params, microbatch, dropout_rng=dropout_rng)
+        loss = stats["mlm_loss_sum"] / mlm_total + nsp_loss_weight * (
+            stats["nsp_loss_sum"] / nsp_total
+        )
+        return loss, stats
+
+    grad_fn = jax.grad(loss_fn, has_aux=True)
+
+    if grad_accum_steps == 1:
+        grads, stats = grad_fn(state.params, batch, jax.random.fold_in(step_rng, 0))
+    else:
+
+        def accumulate(carry, xs):
+            microbatch, index = xs
+            grads, stats = grad_fn(state.params, microbatch, jax.random.fold_in(step_rng, index))
+            return jax.tree.map(jnp.add, carry, (grads, stats)), None
+
+        zeros = jax.tree.map(
+            jnp.zeros_like, (state.params, {k: jnp.zeros((), jnp.float32) for k in STAT_KEYS})
+        )
+        xs = (split_microbatches(batch, grad_accum_steps), jnp.arange(grad_accum_steps))
+        (grads, stats), _ = jax.lax.scan(accumulate, zeros, xs)
+
+    metrics = metrics_from_stats(stats)
+    loss = metrics["mlm_loss"] + nsp_loss_weight * metrics["nsp_loss"]
+    grad_norm = optax.global_norm(grads)
+    finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+
+    updates, new_opt_state = optimizer.update(grads, state.opt_state, state.params)
+    new_params = optax.apply_updates(state.params, updates)
+    # A non-finite loss or gradient leaves parameters and optimizer state untouched.
+    keep_new = functools.partial(jax.tree.map, lambda new, old: jnp.where(finite, new, old))
+    consecutive = jnp.where(finite, 0, state.consecutive_nonfinite + 1)
+    new_state = state.replace(
+        step=state.step + 1,
+        params=keep_new(new_params, state.params),
+        opt_state=keep_new(new_opt_state, state.opt_state),
+        consecutive_nonfinite=consecutive,
+        total_nonfinite=state.total_nonfinite + (~finite).astype(jnp.int32),
+    )
+    metrics.update(
+        loss=loss,
+        learning_rate=schedule(state.step),
+        grad_norm=grad_norm,
+        update_norm=optax.global_norm(updates),
+        param_norm=optax.global_norm(state.params),
+        nonfinite=(~finite).astype(jnp.float32),
+    )
+    metrics.update(trust_ratio_metrics(new_opt_state))
+    return new_state, metrics
+
+
+def trust_ratio_metrics(opt_state) -> dict:
+    """Min / mean / max of the per-tensor (per-layer) trust ratios of the last update."""
+    ratios = optim.last_trust_ratios(opt_state)
+    metrics = {}
+    for name, values in ratios.items():
+        flat = jnp.concatenate([jnp.ravel(v) for v in jax.tree.leaves(values)])
+        metrics[f"{name}_min"] = jnp.min(flat)
+        metrics[f"{name}_mean"] = jnp.mean(flat)
+        metrics[f"{name}_max"] = jnp.max(flat)
+    return metrics
+
+
+def eval_step(params, batch: dict, *, model_config: bert.BertConfig) -> dict:
+    """Sums of the MLM/NSP statistics over one batch (no dropout); callers add them up."""
+    return bert.pretraining_stats(model_config, params, batch)

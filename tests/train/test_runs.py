@@ -1,0 +1,208 @@
+"""End-to-end runs of `python -m lambjax.main` on 1, 2 and 4 fake CPU devices.
+
+One uninterrupted reference run (4 devices, both phases of the demo's runlocal variant) is
+compared with: runs on 1 and 2 devices, a run killed with SIGKILL and rerun, a run stopped
+by SIGTERM and rerun, a resume onto another device count, and a resume past a corrupt
+checkpoint. Each run is a real subprocess, as a user would start it.
+"""
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from lambjax.train.metrics import read_jsonl
+
+REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
+PHASE1_STEPS, PHASE2_STEPS = 12, 6
+
+
+def command(workdir, data_dir, *overrides):
+    return [
+        sys.executable,
+        "-m",
+        "lambjax.main",
+        "--config=configs/default.py:runlocal",
+        f"--workdir={workdir}",
+        f"--config.data.data_dir={data_dir}",
+        f"--config.phases.phase1.num_steps={PHASE1_STEPS}",
+        f"--config.phases.phase2.num_steps={PHASE2_STEPS}",
+        "--config.checkpoint_every_steps=4",
+        "--config.log_every_steps=1",
+        *overrides,
+    ]
+
+
+COMPILATION_CACHE = os.path.join(REPO, ".pytest_cache", "jax-compilation-cache")
+
+
+def environment(devices):
+    env = dict(os.environ)
+    # Runs with the same shapes and device count reuse each other's compiled steps.
+    env["JAX_COMPILATION_CACHE_DIR"] = COMPILATION_CACHE
+    env["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
+    env["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "0"
+    env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
+    env["JAX_PLATFORMS"] = "cpu"
+    env["TF_CPP_MIN_LOG_LEVEL"] = "3"
+    return env
+
+
+def run(workdir, data_dir, devices, *overrides, check=True):
+    result = subprocess.run(
+        command(workdir, data_dir, *overrides),
+        cwd=REPO,
+        env=environment(devices),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    if check and result.returncode != 0:
+        raise AssertionError(f"run failed ({result.returncode}):\n{result.stderr[-4000:]}")
+    return result
+
+
+def start(workdir, data_dir, devices, *overrides):
+    return subprocess.Popen(
+        command(workdir, data_dir, *overrides),
+        cwd=REPO,
+        env=environment(devices),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def losses(workdir):
+    records = read_jsonl(os.path.join(workdir, "metrics.jsonl"))
+    return {step: r["train/loss"] for step, r in sorted(records.items()) if "train/loss" in r}
+
+
+def wait_for_checkpoint(workdir, phase, step, process, timeout=300):
+    path = os.path.join(workdir, "checkpoints", phase, str(step))
+    deadline = time.time() + timeout
+    while not os.path.exists(path):
+        assert process.poll() is None, f"run ended early: {process.stderr.read()[-3000:]}"
+        assert time.time() < deadline, f"no checkpoint {path} after {timeout}s"
+        time.sleep(0.05)
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("datasets"))
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, data_dir):
+    workdir = str(tmp_path_factory.mktemp("reference"))
+    run(workdir, data_dir, 4)
+    return workdir
+
+
+def test_two_phases_run_and_learn(reference):
+    logged = losses(reference)
+    assert sorted(logged) == list(range(1, PHASE1_STEPS + PHASE2_STEPS + 1))
+    assert all(loss == loss for loss in logged.values())  # finite, not NaN
+    assert logged[PHASE1_STEPS] < logged[1]  # phase 1 lowers the loss
+    for phase, last in (("phase1", PHASE1_STEPS), ("phase2", PHASE2_STEPS)):
+        assert os.path.isdir(os.path.join(reference, "checkpoints", phase, str(last)))
+    records = read_jsonl(os.path.join(reference, "metrics.jsonl"))
+    final = records[PHASE1_STEPS + PHASE2_STEPS]
+    for key in ("train/mlm_accuracy", "train/learning_rate", "train/grad_norm"):
+        assert key in final
+    assert any(k.startswith("train/trust_ratio") for k in final)
+    assert any("eval/mlm_accuracy" in r for r in records.values())
+    assert any(name.startswith("events.out.tfevents") for name in os.listdir(reference))
+
+
+@pytest.mark.parametrize("devices", [1, 2])
+def test_same_losses_on_fewer_devices(reference, data_dir, tmp_path, devices):
+    run(str(tmp_path), data_dir, devices, "--config.phase_order=('phase1',)")
+    expected = losses(reference)
+    got = losses(str(tmp_path))
+    assert sorted(got) == list(range(1, PHASE1_STEPS + 1))
+    for step, loss in got.items():
+        assert loss == pytest.approx(expected[step], rel=1e-5), step
+
+
+def test_kill_and_rerun_gives_bitwise_the_same_losses(reference, data_dir, tmp_path):
+    workdir = str(tmp_path)
+    process = start(workdir, data_dir, 4)
+    wait_for_checkpoint(workdir, "phase1", 4, process)
+    process.kill()
+    process.wait()
+    assert not os.path.exists(os.path.join(workdir, "checkpoints", "phase2", str(PHASE2_STEPS)))
+    run(workdir, data_dir, 4)
+    assert losses(workdir) == losses(reference)
+
+
+def test_sigterm_saves_exits_zero_and_resumes(reference, data_dir, tmp_path):
+    workdir = str(tmp_path)
+    process = start(workdir, data_dir, 4)
+    wait_for_checkpoint(workdir, "phase1", 4, process)
+    process.send_signal(signal.SIGTERM)
+    _, stderr = process.communicate(timeout=120)
+    assert process.returncode == 0, stderr[-3000:]
+    logged = losses(workdir)
+    stopped_at = max(logged)
+    assert stopped_at < PHASE1_STEPS + PHASE2_STEPS
+    phase, step = (
+        ("phase1", stopped_at)
+        if stopped_at <= PHASE1_STEPS
+        else (
+            "phase2",
+            stopped_at - PHASE1_STEPS,
+        )
+    )
+    assert os.path.isdir(os.path.join(workdir, "checkpoints", phase, str(step)))
+    run(workdir, data_dir, 4)
+    assert losses(workdir) == losses(reference)
+
+
+def test_phase_two_restores_onto_another_device_count(reference, data_dir, tmp_path):
+    workdir = str(tmp_path / "run")
+    shutil.copytree(reference, workdir)
+    shutil.rmtree(os.path.join(workdir, "checkpoints", "phase2"))
+    os.remove(os.path.join(workdir, "metrics.jsonl"))
+    run(workdir, data_dir, 2)
+    expected, got = losses(reference), losses(workdir)
+    assert sorted(got) == list(range(PHASE1_STEPS + 1, PHASE1_STEPS + PHASE2_STEPS + 1))
+    for step, loss in got.items():
+        assert loss == pytest.approx(expected[step], rel=1e-5), step
+
+
+def test_corrupt_latest_checkpoint_falls_back_to_the_previous(reference, data_dir, tmp_path):
+    workdir = str(tmp_path / "run")
+    shutil.copytree(reference, workdir)
+    phase1 = os.path.join(workdir, "checkpoints", "phase1")
+    shutil.rmtree(os.path.join(workdir, "checkpoints", "phase2"))
+    # Truncate every data file of phase 1's final checkpoint's train state.
+    state_dir = os.path.join(phase1, str(PHASE1_STEPS), "state")
+    for root, _, files in os.walk(state_dir):
+        for name in files:
+            if not name.endswith(".json") and "metadata" not in name:
+                with open(os.path.join(root, name), "r+b") as f:
+                    f.truncate(0)
+    os.remove(os.path.join(workdir, "metrics.jsonl"))
+    result = run(workdir, data_dir, 4)
+    assert "cannot be restored" in result.stderr
+    kept = os.path.join(workdir, "checkpoints", "phase1.unreadable", str(PHASE1_STEPS))
+    assert os.path.isdir(kept)  # moved aside, never deleted
+    logged = losses(workdir)
+    assert min(logged) == 9  # resumed after the step-8 checkpoint
+    expected = losses(reference)
+    assert {s: logged[s] for s in logged} == {s: expected[s] for s in logged}
+
+
+def test_bad_config_ends_with_one_line(tmp_path, data_dir):
+    result = run(
+        str(tmp_path), data_dir, 1, "--config.phases.phase1.global_batch_size=33", check=False
+    )
+    assert result.returncode == 2
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith("lambjax: error: config.phases.phase1.global_batch_size=33")
+    assert "Traceback" not in result.stderr
