@@ -57,6 +57,8 @@ def lamb(
       You et al., 2020: https://arxiv.org/abs/1904.00962
     """
     check_hyperparameters(learning_rate, b1, b2, eps, weight_decay, max_global_norm)
+    if weight_decay_mask is not None:
+        weight_decay_mask = transforms.checked_mask(weight_decay_mask, "weight_decay_mask")
     return optax.chain(
         optax.clip_by_global_norm(max_global_norm) if max_global_norm else optax.identity(),
         transforms.scale_by_adam(b1, b2, eps, bias_correction=bias_correction),

@@ -39,6 +39,11 @@ def resolve_mask(mask: MaskOrFn, params, *, argument: str, default: bool):
     return tree
 
 
+def checked_mask(mask: MaskOrFn, argument: str) -> Callable:
+    """A mask for optax blocks (e.g. `optax.masked`) that names `argument` on a mismatch."""
+    return lambda params: resolve_mask(mask, params, argument=argument, default=True)
+
+
 def tensor_sq_norms(x: jax.Array, stacked: bool) -> jax.Array:
     """Squared L2 norm of each tensor: a scalar, or one per layer slice ([L]) if stacked."""
     x = x.astype(jnp.float32)

@@ -1,0 +1,286 @@
+"""LAMB and LANS against float64 numpy implementations of the equations
+(../shared/reference/optimizers.md), over 24 steps whose gradient norms alternate above and
+below 1, with a zero-initialised bias and a zero gradient, masks on and off."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from lambjax import optim
+
+STEPS = 24
+LR = 1e-2
+
+
+def make_params(seed=0):
+    rng = np.random.default_rng(seed)
+    return {
+        "dense": {"kernel": rng.standard_normal((4, 3)), "bias": np.zeros(3)},  # ||x|| = 0
+        "encoder": {"layers": {"kernel": rng.standard_normal((3, 5, 2))}},  # 3 stacked
+        "layer_norm": {"scale": np.ones(3) + 0.1 * rng.standard_normal(3)},
+    }
+
+
+def make_grads(params, steps=STEPS, seed=1):
+    """Global norms alternate ~3 and ~0.2; the LayerNorm gradient is exactly 0 at step 3."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for t in range(steps):
+        g = jax.tree.map(lambda x: rng.standard_normal(x.shape), params)
+        norm = np.sqrt(sum(np.sum(x**2) for x in jax.tree.leaves(g)))
+        target = 3.0 if t % 2 == 0 else 0.2
+        g = jax.tree.map(lambda x, norm=norm, target=target: x * target / norm, g)
+        if t == 3:
+            g["layer_norm"]["scale"] = np.zeros(3)
+        out.append(g)
+    return out
+
+
+DECAY_MASK = {
+    "dense": {"kernel": True, "bias": False},
+    "encoder": {"layers": {"kernel": True}},
+    "layer_norm": {"scale": False},
+}
+STACKED = {
+    "dense": {"kernel": False, "bias": False},
+    "encoder": {"layers": {"kernel": True}},
+    "layer_norm": {"scale": False},
+}
+
+
+def per_tensor(fn, x, stacked):
+    """Applies fn to each tensor: the whole leaf, or each layer slice of a stacked leaf."""
+    return np.stack([fn(s) for s in x]) if stacked else fn(x)
+
+
+def norm_like(x, stacked):
+    n = per_tensor(lambda s: np.sqrt(np.sum(s**2)), x, stacked)
+    return n.reshape(n.shape + (1,) * (x.ndim - np.ndim(n))) if stacked else n
+
+
+def ratio(phi, denominator):
+    """phi / denominator, or 1 where phi or the denominator is 0."""
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return np.where((phi == 0) | (denominator == 0), 1.0, phi / denominator)
+
+
+def reference_lamb(params, grads, *, wd, decay_mask, trust_mask, max_norm, bias_correction):
+    b1, b2, eps = 0.9, 0.999, 1e-6
+    x = jax.tree.map(np.array, params)
+    m = jax.tree.map(np.zeros_like, x)
+    v = jax.tree.map(np.zeros_like, x)
+    paths = [("dense", "kernel"), ("dense", "bias"), ("encoder", "kernel"), ("layer_norm", "scale")]
+
+    def get(tree, path):
+        return (
+            tree["encoder"]["layers"]["kernel"] if path[0] == "encoder" else tree[path[0]][path[1]]
+        )
+
+    def put(tree, path, value):
+        if path[0] == "encoder":
+            tree["encoder"]["layers"]["kernel"] = value
+        else:
+            tree[path[0]][path[1]] = value
+
+    for t, g in enumerate(grads, start=1):
+        g_norm = np.sqrt(sum(np.sum(a**2) for a in jax.tree.leaves(g)))
+        scale = min(1.0, max_norm / g_norm) if max_norm else 1.0
+        for path in paths:
+            gp, xp = get(g, path) * scale, get(x, path)
+            mp = 0.9 * get(m, path) + 0.1 * gp
+            vp = 0.999 * get(v, path) + 0.001 * gp**2
+            put(m, path, mp)
+            put(v, path, vp)
+            mh, vh = (mp / (1 - b1**t), vp / (1 - b2**t)) if bias_correction else (mp, vp)
+            u = mh / (np.sqrt(vh) + eps) + (wd * xp if get(decay_mask, path) else 0.0)
+            stacked = get(STACKED, path)
+            r = ratio(norm_like(xp, stacked), norm_like(u, stacked)) if get(trust_mask, path) else 1
+            put(x, path, xp - LR * r * u)
+    return x
+
+
+def reference_lans(params, grads, *, wd, decay_mask):
+    b1, b2, eps = 0.9, 0.999, 1e-6
+    x = jax.tree.map(np.array, params)
+    flat_x, treedef = jax.tree.flatten(x)
+    flat_mask = jax.tree.leaves(decay_mask)
+    flat_stacked = jax.tree.leaves(STACKED)
+    m = [np.zeros_like(a) for a in flat_x]
+    v = [np.zeros_like(a) for a in flat_x]
+    for t, g in enumerate(grads, start=1):
+        for i, (gp, stacked) in enumerate(zip(jax.tree.leaves(g), flat_stacked, strict=True)):
+            xp = flat_x[i]
+            gn = norm_like(gp, stacked)
+            gh = gp * ratio(np.ones_like(gn), gn)  # g/||g||, and 0 stays 0
+            m[i] = b1 * m[i] + (1 - b1) * gh
+            v[i] = b2 * v[i] + (1 - b2) * gh**2
+            d = np.sqrt(v[i] / (1 - b2**t)) + eps
+            decay = wd * xp if flat_mask[i] else 0.0
+            r = m[i] / (1 - b1**t) / d + decay
+            c = gh / d + decay
+            phi = norm_like(xp, stacked)
+            flat_x[i] = (
+                xp
+                - LR * b1 * ratio(phi, norm_like(r, stacked)) * r
+                - LR * (1 - b1) * ratio(phi, norm_like(c, stacked)) * c
+            )
+    return jax.tree.unflatten(treedef, flat_x)
+
+
+def run(tx, params, grads):
+    params = jax.tree.map(lambda a: jnp.asarray(a, jnp.float32), params)
+    state = tx.init(params)
+
+    @jax.jit
+    def step(params, state, g):
+        updates, state = tx.update(g, state, params)
+        return optax.apply_updates(params, updates), state
+
+    for g in grads:
+        params, state = step(params, state, jax.tree.map(lambda a: jnp.asarray(a, jnp.float32), g))
+    return params, state, step
+
+
+def assert_trees_close(actual, expected):
+    for a, e in zip(jax.tree.leaves(actual), jax.tree.leaves(expected), strict=True):
+        np.testing.assert_allclose(np.asarray(a), e, rtol=1e-5, atol=1e-6)
+
+
+ALL_TRUE = jax.tree.map(lambda _: True, DECAY_MASK)
+
+
+@pytest.mark.parametrize(
+    "wd, decay_mask, trust_mask, max_norm, bias_correction",
+    [
+        (0.0, None, None, None, True),  # the paper's LAMB
+        (0.01, DECAY_MASK, None, None, True),
+        (0.01, DECAY_MASK, DECAY_MASK, 1.0, True),  # NVIDIA's recipe
+        (0.01, None, DECAY_MASK, 1.0, False),
+    ],
+)
+def test_lamb_matches_the_equations(wd, decay_mask, trust_mask, max_norm, bias_correction):
+    params, grads = make_params(), make_grads(make_params())
+    tx = optim.lamb(
+        LR,
+        weight_decay=wd,
+        weight_decay_mask=decay_mask,
+        trust_ratio_mask=trust_mask,
+        max_global_norm=max_norm,
+        bias_correction=bias_correction,
+        stacked_layers=STACKED,
+    )
+    actual, _, _ = run(tx, params, grads)
+    expected = reference_lamb(
+        params,
+        grads,
+        wd=wd,
+        decay_mask=decay_mask or ALL_TRUE,
+        trust_mask=trust_mask or ALL_TRUE,
+        max_norm=max_norm,
+        bias_correction=bias_correction,
+    )
+    assert_trees_close(actual, expected)
+    assert not np.allclose(actual["dense"]["bias"], 0)  # the zero-norm guard lets it move
+
+
+@pytest.mark.parametrize("wd, decay_mask", [(0.0, None), (0.01, DECAY_MASK)])
+def test_lans_matches_the_equations(wd, decay_mask):
+    params, grads = make_params(), make_grads(make_params())
+    tx = optim.lans(LR, weight_decay=wd, weight_decay_mask=decay_mask, stacked_layers=STACKED)
+    actual, _, _ = run(tx, params, grads)
+    expected = reference_lans(params, grads, wd=wd, decay_mask=decay_mask or ALL_TRUE)
+    assert_trees_close(actual, expected)
+
+
+def test_paper_lamb_equals_optax_lamb_without_stacked_leaves():
+    params = {k: v for k, v in make_params().items() if k != "encoder"}
+    grads = [{k: v for k, v in g.items() if k != "encoder"} for g in make_grads(make_params())]
+    mask = {"dense": {"kernel": True, "bias": False}, "layer_norm": {"scale": False}}
+    ours, _, _ = run(optim.lamb(LR, weight_decay=0.01, weight_decay_mask=mask), params, grads)
+    theirs, _, _ = run(optax.lamb(LR, weight_decay=0.01, mask=mask), params, grads)
+    assert_trees_close(ours, jax.tree.map(np.asarray, theirs))
+
+
+@pytest.mark.parametrize("name", ["lamb", "lans"])
+def test_stacked_leaf_equals_separate_layers(name):
+    rng = np.random.default_rng(3)
+    stacked = {"layers": {"w": rng.standard_normal((3, 4, 2))}}
+    separate = {f"layer{i}": {"w": stacked["layers"]["w"][i]} for i in range(3)}
+    grads = [rng.standard_normal((3, 4, 2)) * (3 if t % 2 else 0.2) for t in range(STEPS)]
+    make = getattr(optim, name)
+    tx_stacked = make(LR, weight_decay=0.01, stacked_layers=optim.stacked_layers_mask)
+    got, _, _ = run(tx_stacked, stacked, [{"layers": {"w": g}} for g in grads])
+    want, _, _ = run(
+        make(LR, weight_decay=0.01),
+        separate,
+        [{f"layer{i}": {"w": g[i]} for i in range(3)} for g in grads],
+    )
+    for i in range(3):
+        np.testing.assert_allclose(got["layers"]["w"][i], want[f"layer{i}"]["w"], rtol=1e-5)
+
+
+def test_second_update_does_not_recompile():
+    params, grads = make_params(), make_grads(make_params(), steps=3)
+    _, _, step = run(optim.lans(LR, stacked_layers=STACKED), params, grads)
+    assert step._cache_size() == 1
+
+
+@pytest.mark.parametrize("name", ["lamb", "lans"])
+def test_state_keeps_the_parameter_shardings_on_8_devices(name):
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from lambjax import sharding
+
+    mesh = sharding.make_mesh({"data": 2, "fsdp": 4})
+    params = {
+        "w": jax.device_put(jnp.ones((8, 16)), NamedSharding(mesh, P("fsdp", None))),
+        "layers": {"k": jax.device_put(jnp.ones((2, 8, 4)), NamedSharding(mesh, P(None, "fsdp")))},
+    }
+    tx = getattr(optim, name)(LR, weight_decay=0.01, stacked_layers=optim.stacked_layers_mask)
+    state = jax.jit(tx.init)(params)
+
+    @jax.jit
+    def step(params, state):
+        updates, state = tx.update(jax.tree.map(jnp.ones_like, params), state, params)
+        return optax.apply_updates(params, updates), state
+
+    params, state = step(params, state)
+    moments = [s for s in jax.tree.leaves(state) if s.ndim >= 2]
+    assert moments, "no moments found"
+    for leaf in moments:
+        expected = P("fsdp", None) if leaf.shape == (8, 16) else P(None, "fsdp")
+        assert leaf.sharding.is_equivalent_to(NamedSharding(mesh, expected), leaf.ndim)
+    assert params["w"].sharding.is_equivalent_to(NamedSharding(mesh, P("fsdp", None)), 2)
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(learning_rate=-1.0), "learning_rate=-1.0"),
+        (dict(learning_rate=1e-3, b1=1.0), "b1=1.0 must lie in"),
+        (dict(learning_rate=1e-3, b2=-0.1), "b2=-0.1 must lie in"),
+        (dict(learning_rate=1e-3, eps=-1.0), "eps=-1.0"),
+        (dict(learning_rate=1e-3, weight_decay=-0.1), "weight_decay=-0.1"),
+    ],
+)
+@pytest.mark.parametrize("name", ["lamb", "lans"])
+def test_bad_arguments_name_the_argument(name, kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        getattr(optim, name)(**kwargs)
+
+
+@pytest.mark.parametrize("argument", ["weight_decay_mask", "stacked_layers", "trust_ratio_mask"])
+def test_mask_tree_mismatch_names_the_argument(argument):
+    params = jax.tree.map(jnp.asarray, make_params())
+    bad = {"dense": {"kernel": True}}
+    if argument == "trust_ratio_mask":
+        tx = optim.lamb(LR, trust_ratio_mask=bad)
+    elif argument == "weight_decay_mask":
+        tx = optim.lans(LR, weight_decay=0.1, weight_decay_mask=bad)
+    else:
+        tx = optim.lamb(LR, stacked_layers=bad)
+    with pytest.raises(ValueError, match=argument if argument != "trust_ratio_mask" else "mask"):
+        tx.init(params)
