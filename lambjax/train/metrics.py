@@ -39,7 +39,8 @@ class JsonlWriter(metric_writers.MetricWriter):
 
     def __init__(self, path: str):
         os.makedirs(os.path.dirname(path), exist_ok=True)
-        self._file = open(path, "a", encoding="utf-8")  # noqa: SIM115 - closed in close()
+        # Line-buffered: what was logged survives a kill -9.
+        self._file = open(path, "a", encoding="utf-8", buffering=1)  # noqa: SIM115
 
     def write_scalars(self, step, scalars):
         record = {"step": int(step), "time": time.time()}

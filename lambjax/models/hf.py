@@ -1,0 +1,223 @@
+"""Weights to and from Hugging Face `transformers` BERT (PyTorch) checkpoint directories.
+
+  config, params = from_transformers("path/to/bert")        # BertModel or BertForPreTraining
+  to_transformers(config, params, "out", vocab_file=...)     # BertForPreTraining.from_pretrained
+
+Reads model.safetensors (or pytorch_model.bin, which needs torch). A BertModel checkpoint has
+no pretraining heads: they are initialised and reported. Only PostLN BERT exists in
+transformers, so PreLN models do not export.
+
+Export a training run's latest checkpoint from the command line:
+  python -m lambjax.models.hf --workdir=WORKDIR --out=DIR
+"""
+
+import json
+import os
+import shutil
+
+import jax
+import numpy as np
+from absl import logging
+
+from lambjax.models import bert
+
+_EMBEDDINGS = {
+    ("embeddings", "word", "embedding"): "embeddings.word_embeddings.weight",
+    ("embeddings", "position", "embedding"): "embeddings.position_embeddings.weight",
+    ("embeddings", "token_type", "embedding"): "embeddings.token_type_embeddings.weight",
+    ("embeddings", "layer_norm", "scale"): "embeddings.LayerNorm.weight",
+    ("embeddings", "layer_norm", "bias"): "embeddings.LayerNorm.bias",
+}
+# Per layer: our path under encoder/layers -> (HF name under encoder.layer.{i}, kind).
+_LAYER = {
+    ("attention", "query"): ("attention.self.query", "heads_out"),
+    ("attention", "key"): ("attention.self.key", "heads_out"),
+    ("attention", "value"): ("attention.self.value", "heads_out"),
+    ("attention", "output"): ("attention.output.dense", "heads_in"),
+    ("attention_layer_norm",): ("attention.output.LayerNorm", "norm"),
+    ("mlp", "intermediate"): ("intermediate.dense", "dense"),
+    ("mlp", "output"): ("output.dense", "dense"),
+    ("mlp_layer_norm",): ("output.LayerNorm", "norm"),
+}
+_HEADS = {
+    ("pooler",): ("bert.pooler.dense", "dense"),
+    ("nsp",): ("cls.seq_relationship", "dense"),
+    ("mlm_transform",): ("cls.predictions.transform.dense", "dense"),
+    ("mlm_layer_norm",): ("cls.predictions.transform.LayerNorm", "norm"),
+}
+
+
+def config_from_hf(hf: dict) -> bert.BertConfig:
+    if hf.get("hidden_act", "gelu") != "gelu":
+        raise ValueError(f"hidden_act={hf['hidden_act']!r}: lambjax BERT uses exact 'gelu'")
+    return bert.BertConfig(
+        vocab_size=hf["vocab_size"],
+        hidden_size=hf["hidden_size"],
+        num_layers=hf["num_hidden_layers"],
+        num_heads=hf["num_attention_heads"],
+        intermediate_size=hf["intermediate_size"],
+        max_position_embeddings=hf.get("max_position_embeddings", 512),
+        type_vocab_size=hf.get("type_vocab_size", 2),
+        hidden_dropout=hf.get("hidden_dropout_prob", 0.1),
+        attention_dropout=hf.get("attention_probs_dropout_prob", 0.1),
+        layer_norm_eps=hf.get("layer_norm_eps", 1e-12),
+        initializer_range=hf.get("initializer_range", 0.02),
+        dtype="float32",
+    )
+
+
+def config_to_hf(config: bert.BertConfig) -> dict:
+    return {
+        "architectures": ["BertForPreTraining"],
+        "model_type": "bert",
+        "vocab_size": config.vocab_size,
+        "hidden_size": config.hidden_size,
+        "num_hidden_layers": config.num_layers,
+        "num_attention_heads": config.num_heads,
+        "intermediate_size": config.intermediate_size,
+        "hidden_act": "gelu",
+        "max_position_embeddings": config.max_position_embeddings,
+        "type_vocab_size": config.type_vocab_size,
+        "hidden_dropout_prob": config.hidden_dropout,
+        "attention_probs_dropout_prob": config.attention_dropout,
+        "layer_norm_eps": config.layer_norm_eps,
+        "initializer_range": config.initializer_range,
+        "pad_token_id": 0,
+        "torch_dtype": "float32",
+    }
+
+
+def _load_state_dict(path: str) -> dict[str, np.ndarray]:
+    safetensors_file = os.path.join(path, "model.safetensors")
+    bin_file = os.path.join(path, "pytorch_model.bin")
+    if os.path.exists(safetensors_file):
+        from safetensors.numpy import load_file
+
+        return load_file(safetensors_file)
+    if os.path.exists(bin_file):
+        import torch
+
+        state = torch.load(bin_file, map_location="cpu", weights_only=True)
+        return {k: v.float().numpy() for k, v in state.items()}
+    raise FileNotFoundError(f"{path}: neither model.safetensors nor pytorch_model.bin")
+
+
+def _to_ours(weight: np.ndarray, kind: str, config: bert.BertConfig, is_bias: bool):
+    heads, head_dim = config.num_heads, config.head_dim
+    if kind == "norm" or (is_bias and kind in ("dense", "heads_in")):
+        return weight
+    if kind == "heads_out":  # [E_out, E_in] -> [E_in, heads, head_dim]; bias -> [heads, d]
+        return weight.reshape(heads, head_dim) if is_bias else weight.T.reshape(-1, heads, head_dim)
+    if kind == "heads_in":  # [E_out, E_in] -> [heads, head_dim, E_out]
+        return weight.T.reshape(heads, head_dim, -1)
+    return weight.T  # dense: torch [out, in] -> flax [in, out]
+
+
+def _to_hf(weight: np.ndarray, kind: str, is_bias: bool):
+    if kind == "norm" or (is_bias and kind in ("dense", "heads_in")):
+        return weight
+    if kind == "heads_out":
+        return weight.reshape(-1) if is_bias else weight.reshape(weight.shape[0], -1).T
+    if kind == "heads_in":
+        return weight.reshape(-1, weight.shape[-1]).T
+    return weight.T
+
+
+def _leaf_names(kind):
+    return (
+        (("scale", "weight"), ("bias", "bias"))
+        if kind == "norm"
+        else (
+            ("kernel", "weight"),
+            ("bias", "bias"),
+        )
+    )
+
+
+def from_transformers(path: str) -> tuple[bert.BertConfig, dict]:
+    """Imports a transformers BERT checkpoint directory; returns (config, params)."""
+    with open(os.path.join(path, "config.json"), encoding="utf-8") as f:
+        config = config_from_hf(json.load(f))
+    state = _load_state_dict(path)
+    prefix = "bert." if any(k.startswith("bert.") for k in state) else ""
+    params = jax.tree.map(np.asarray, bert.init_params(config, jax.random.key(0)))
+    missing = []
+
+    def take(name):
+        if name not in state:
+            missing.append(name)
+            return None
+        return state[name].astype(np.float32)
+
+    for ours, theirs in _EMBEDDINGS.items():
+        value = take(prefix + theirs)
+        if value is not None:
+            params[ours[0]][ours[1]][ours[2]] = value
+    layers = params["encoder"]["layers"]
+    for ours, (theirs, kind) in _LAYER.items():
+        node = layers
+        for key in ours:
+            node = node[key]
+        for leaf, hf_leaf in _leaf_names(kind):
+            slices = [
+                take(f"{prefix}encoder.layer.{i}.{theirs}.{hf_leaf}")
+                for i in range(config.num_layers)
+            ]
+            if all(s is not None for s in slices):
+                node[leaf] = np.stack(
+                    [_to_ours(s, kind, config, leaf == "bias") for s in slices]
+                ).astype(np.float32)
+    heads = params["heads"]
+    for (ours,), (theirs, kind) in _HEADS.items():
+        name = theirs if theirs.startswith("cls.") else theirs.replace("bert.", prefix, 1)
+        for leaf, hf_leaf in _leaf_names(kind):
+            value = take(f"{name}.{hf_leaf}")
+            if value is not None:
+                heads[ours][leaf] = _to_ours(value, kind, config, leaf == "bias")
+    bias = take("cls.predictions.bias")
+    if bias is not None:
+        heads["mlm_bias"] = bias
+    if missing:
+        logging.warning(
+            "%s: %d weights not in the checkpoint were initialised: %s",
+            path,
+            len(missing),
+            ", ".join(sorted({m.split(".")[0] for m in missing})),
+        )
+    return config, params
+
+
+def to_transformers(
+    config: bert.BertConfig, params: dict, path: str, vocab_file: str | None = None
+) -> None:
+    """Writes a directory that `transformers.BertForPreTraining.from_pretrained` loads."""
+    if config.layer_norm != "post":
+        raise ValueError("transformers BERT is PostLN: a layer_norm='pre' model cannot export")
+    from safetensors.numpy import save_file
+
+    params = jax.tree.map(lambda x: np.asarray(x, np.float32), params)
+    state = {}
+    for ours, theirs in _EMBEDDINGS.items():
+        state["bert." + theirs] = params[ours[0]][ours[1]][ours[2]]
+    for ours, (theirs, kind) in _LAYER.items():
+        node = params["encoder"]["layers"]
+        for key in ours:
+            node = node[key]
+        for leaf, hf_leaf in _leaf_names(kind):
+            for i in range(config.num_layers):
+                state[f"bert.encoder.layer.{i}.{theirs}.{hf_leaf}"] = _to_hf(
+                    node[leaf][i], kind, leaf == "bias"
+                )
+    for (ours,), (theirs, kind) in _HEADS.items():
+        for leaf, hf_leaf in _leaf_names(kind):
+            state[f"{theirs}.{hf_leaf}"] = _to_hf(params["heads"][ours][leaf], kind, leaf == "bias")
+    state["cls.predictions.bias"] = params["heads"]["mlm_bias"]
+    state["cls.predictions.decoder.weight"] = params["embeddings"]["word"]["embedding"]
+    state["cls.predictions.decoder.bias"] = params["heads"]["mlm_bias"]
+    os.makedirs(path, exist_ok=True)
+    state = {k: np.ascontiguousarray(v) for k, v in state.items()}
+    save_file(state, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+    with open(os.path.join(path, "config.json"), "w", encoding="utf-8") as f:
+        json.dump(config_to_hf(config), f, indent=2)
+    if vocab_file:
+        shutil.copyfile(vocab_file, os.path.join(path, "vocab.txt"))

@@ -1,0 +1,175 @@
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from lambjax import sharding
+from lambjax.models import bert
+
+CONFIG = bert.BertConfig.preset("tiny", vocab_size=64, num_layers=3, dtype="float32")
+
+
+@pytest.fixture(scope="module")
+def params():
+    return bert.init_params(CONFIG, jax.random.key(0))
+
+
+def batch(seed=0, b=2, s=12, p=3):
+    rng = np.random.default_rng(seed)
+    return {
+        "input_ids": jnp.asarray(rng.integers(5, 64, (b, s)), jnp.int32),
+        "input_mask": jnp.ones((b, s), jnp.int32),
+        "segment_ids": jnp.zeros((b, s), jnp.int32),
+        "masked_lm_positions": jnp.asarray(np.sort(rng.integers(1, s, (b, p)), 1), jnp.int32),
+        "masked_lm_ids": jnp.asarray(rng.integers(5, 64, (b, p)), jnp.int32),
+        "masked_lm_weights": jnp.ones((b, p), jnp.float32),
+        "next_sentence_labels": jnp.asarray([0, 1], jnp.int32),
+    }
+
+
+def hidden(config, params, x, **kwargs):
+    return bert.encoder_outputs(
+        config, params, x["input_ids"], x["segment_ids"], x["input_mask"], **kwargs
+    )
+
+
+def test_scan_and_unrolled_are_identical(params):
+    unrolled = dataclasses.replace(CONFIG, scan_layers=False)
+    np.testing.assert_array_equal(
+        hidden(CONFIG, params, batch()), hidden(unrolled, params, batch())
+    )
+
+
+def test_remat_gives_the_same_gradients(params):
+    remat = dataclasses.replace(CONFIG, remat=True)
+
+    def loss(config, p):
+        return bert.pretraining_stats(config, p, batch())["mlm_loss_sum"]
+
+    a = jax.grad(lambda p: loss(CONFIG, p))(params)
+    b = jax.grad(lambda p: loss(remat, p))(params)
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+        np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-7)
+
+
+def test_bfloat16_forward_stays_close_to_float32(params):
+    bf16 = dataclasses.replace(CONFIG, dtype="bfloat16")
+    a, b = hidden(CONFIG, params, batch()), hidden(bf16, params, batch())
+    assert b.dtype == jnp.bfloat16
+    error = np.abs(np.asarray(b, np.float32) - np.asarray(a))
+    assert error.mean() < 0.03 and error.max() < 0.3  # LayerNorm output has unit scale
+
+
+def test_presets_have_the_published_parameter_counts():
+    def count(name):
+        shapes = jax.eval_shape(
+            lambda k: bert.init_params(bert.BertConfig.preset(name), k), jax.random.key(0)
+        )
+        return sum(int(np.prod(x.shape)) for x in jax.tree.leaves(shapes))
+
+    # transformers' BertForPreTraining (decoder tied): base 110,106,428; large 336,226,108.
+    assert count("base") == 110_106_428
+    assert count("large") == 336_226_108
+
+
+def test_parameters_get_the_rules_shardings_on_8_devices():
+    mesh = sharding.make_mesh({"data": 2, "fsdp": 2, "tensor": 2})
+    config = bert.BertConfig.preset("tiny", vocab_size=64)
+    abstract = jax.eval_shape(lambda k: bert.init_params(config, k), jax.random.key(0))
+    shardings = sharding.tree_shardings(abstract, bert.param_logical_axes(config), mesh)
+    params = jax.jit(lambda k: bert.init_params(config, k), out_shardings=shardings)(
+        jax.random.key(0)
+    )
+    P = jax.sharding.PartitionSpec
+    layers = params["encoder"]["layers"]
+    assert layers["attention"]["query"]["kernel"].sharding.spec == P(None, "fsdp", "tensor", None)
+    assert layers["mlp"]["intermediate"]["kernel"].sharding.spec == P(None, "fsdp", "tensor")
+    assert layers["mlp"]["output"]["kernel"].sharding.spec == P(None, "tensor", "fsdp")
+    assert params["embeddings"]["word"]["embedding"].sharding.spec == P("tensor", "fsdp")
+    for leaf in jax.tree.leaves(params):
+        assert len(leaf.sharding.device_set) == 8
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (dict(hidden_size=129), "hidden_size=129 is not divisible by num_heads=2"),
+        (dict(layer_norm="middle"), "layer_norm='middle'"),
+        (dict(num_layers=0), "num_layers=0"),
+        (dict(hidden_dropout=1.5), "hidden_dropout=1.5"),
+        (dict(dtype="int8"), "dtype='int8'"),
+    ],
+)
+def test_bad_configs_name_the_field(overrides, message):
+    with pytest.raises(ValueError, match=message):
+        bert.BertConfig.preset("tiny", **overrides)
+    with pytest.raises(ValueError, match="unknown BERT preset 'huge'"):
+        bert.BertConfig.preset("huge")
+
+
+def test_dropped_layer_is_exactly_the_identity(params):
+    keep = jnp.asarray([True, False, True])
+    dropped = hidden(CONFIG, params, batch(), layer_keep=keep)
+    two_layers = dataclasses.replace(CONFIG, num_layers=2)
+    without = {
+        **params,
+        "encoder": {
+            "layers": jax.tree.map(lambda x: x[jnp.asarray([0, 2])], params["encoder"]["layers"])
+        },
+    }
+    np.testing.assert_array_equal(dropped, hidden(two_layers, without, batch()))
+
+
+def test_frozen_layers_get_no_gradient(params):
+    def loss(p):
+        return bert.pretraining_stats(CONFIG, p, batch(), num_frozen_layers=2)["mlm_loss_sum"]
+
+    grads = jax.grad(loss)(params)
+    layers = grads["encoder"]["layers"]
+    for leaf in jax.tree.leaves(layers):
+        assert np.all(np.asarray(leaf[:2]) == 0) and np.any(np.asarray(leaf[2]) != 0)
+    assert np.all(np.asarray(grads["embeddings"]["position"]["embedding"]) == 0)
+
+
+def test_grow_layers_copies_the_top_layers(params):
+    config, grown = bert.grow_layers(CONFIG, params, 5)
+    assert config.num_layers == 5
+    src = params["encoder"]["layers"]["mlp"]["output"]["kernel"]
+    new = grown["encoder"]["layers"]["mlp"]["output"]["kernel"]
+    for target, source in [(0, 0), (1, 1), (2, 2), (3, 1), (4, 2)]:
+        np.testing.assert_array_equal(new[target], src[source])
+
+
+def _dot_flops(jaxpr) -> int:
+    """Counts 2 * output size * contracted size over every dot_general, recursively."""
+    total = 0
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "dot_general":
+            (contract, _), _ = eqn.params["dimension_numbers"]
+            lhs = eqn.invars[0].aval.shape
+            out = eqn.outvars[0].aval.shape
+            total += 2 * int(np.prod(out)) * int(np.prod([lhs[d] for d in contract]))
+        for sub in jax.core.jaxprs_in_params(eqn.params):
+            inner = _dot_flops(sub)
+            if eqn.primitive.name == "scan":
+                inner *= eqn.params["length"]
+            total += inner
+    return total
+
+
+def test_train_step_flops_match_a_count_of_the_traced_matmuls(params):
+    x = batch(b=2, s=12, p=3)
+    config = dataclasses.replace(CONFIG, scan_layers=False)
+
+    def loss(p):
+        return bert.pretraining_stats(config, p, x)["mlm_loss_sum"]
+
+    forward = _dot_flops(jax.make_jaxpr(loss)(params).jaxpr)
+    train = _dot_flops(jax.make_jaxpr(jax.grad(loss))(params).jaxpr)
+    assert bert.forward_flops(config, 2, 12, 3) == forward
+    # The backward of the first matmul of each chain also computes an (unused) input
+    # gradient, so the traced count is at most the formula's 3x.
+    assert bert.train_step_flops(config, 2, 12, 3) == 3 * forward
+    assert 2.5 * forward < train <= 3 * forward
