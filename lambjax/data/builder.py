@@ -198,7 +198,10 @@ def _split_examples(documents, tokenizer, options, config) -> dict[str, list[dic
         examples, skipped = examples_lib.create_examples(tokenized, options, seed)
         for reason, count in skipped.items():
             logging.warning("Data build (%s) skipped %d %s", split, count, reason)
-        out[split] = examples
+        if examples:
+            out[split] = examples
+        else:
+            logging.warning("Data build: the %s split has no examples; it is left out", split)
     if not out.get("train"):
         raise DataError(
             f"config.data.source={config['source']!r} gave no training examples "

@@ -88,14 +88,13 @@ def _bert_examples(documents, index, options: ExampleOptions, rng: random.Random
         if i == len(document) - 1 or chunk_length >= target_length:
             a_end = rng.randint(1, len(chunk) - 1) if len(chunk) >= 2 else 1
             tokens_a = [t for s in chunk[:a_end] for t in s]
-            is_random_next = len(chunk) == 1 or rng.random() < 0.5
-            if is_random_next and len(documents) > 1:
+            # A corpus of one document has no other document to draw a random next from.
+            is_random_next = len(documents) > 1 and (len(chunk) == 1 or rng.random() < 0.5)
+            if is_random_next:
                 tokens_b = _random_continuation(
                     documents, index, max(1, target_length - len(tokens_a)), rng
                 )
                 i -= len(chunk) - a_end  # the unused sentences start the next chunk
-            elif is_random_next:  # a one-document corpus has no other document
-                tokens_b, is_random_next = [], False
             else:
                 tokens_b = [t for s in chunk[a_end:] for t in s]
             _truncate_pair(tokens_a, tokens_b, max_num_tokens, rng)

@@ -403,6 +403,9 @@ class Throughput:
 
 def evaluate(config, phase: Phase, eval_step, params, batch_sharding) -> dict:
     """MLM loss and accuracy on the held-out split (the MLPerf metric), plus NSP."""
+    if "validation" not in phase.prepared.data_sources:
+        logging.warning("Phase %s: no validation split was built; no evaluation.", phase.name)
+        return {}
     iterator = data_lib.make_iterator(
         phase.prepared,
         split="validation",

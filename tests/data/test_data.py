@@ -1,0 +1,271 @@
+import os
+
+import numpy as np
+import pytest
+
+from lambjax import data
+from lambjax.data import builder as builder_lib
+from lambjax.data import masking
+
+SEQ = 128
+PRED = 20
+
+
+def config(tmp, **fields):
+    c = data.default_config()
+    c.data_dir = str(tmp)
+    c.vocab_size = 1024
+    c.update(fields)
+    return c
+
+
+@pytest.fixture(scope="module")
+def prepared(tmp_path_factory):
+    return data.prepare(config(tmp_path_factory.mktemp("datasets")), SEQ)
+
+
+def take(prepared, steps, *, process_index=0, process_count=1, seed=0, batch=16, state=None):
+    iterator = data.make_iterator(
+        prepared,
+        split="train",
+        global_batch_size=batch,
+        max_predictions_per_seq=PRED,
+        seed=seed,
+        process_index=process_index,
+        process_count=process_count,
+    )
+    if state is not None:
+        iterator.set_state(state)
+    return [next(iterator) for _ in range(steps)], iterator
+
+
+def concat(parts):
+    return {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
+
+
+def test_batches_have_bert_features(prepared):
+    (b,), _ = take(prepared, 1)
+    assert b["input_ids"].shape == (16, SEQ) and b["input_ids"].dtype == np.int32
+    assert b["masked_lm_positions"].shape == (16, PRED)
+    assert b["masked_lm_weights"].dtype == np.float32
+    assert b["next_sentence_labels"].shape == (16,)
+    cls, sep = prepared.special_ids["cls"], prepared.special_ids["sep"]
+    assert np.all(b["input_ids"][:, 0] == cls)
+    assert np.all((b["input_ids"] == sep).sum(1) == 2)  # [CLS] A [SEP] B [SEP]
+    assert set(np.unique(b["next_sentence_labels"])) <= {0, 1}
+    assert prepared.num_examples("validation") > 0
+
+
+@pytest.mark.parametrize("process_count", [2, 4])
+def test_process_parts_are_disjoint_and_make_the_global_batch(prepared, process_count):
+    # 8 steps of 16 cross an epoch boundary only if the corpus is small; either way the
+    # global batches must match.
+    steps = prepared.num_examples("train") // 16 + 2  # past the first epoch boundary
+    global_batches, _ = take(prepared, steps)
+    parts = [
+        take(prepared, steps, process_index=p, process_count=process_count)[0]
+        for p in range(process_count)
+    ]
+    for step in range(steps):
+        rows = [parts[p][step] for p in range(process_count)]
+        merged = concat(rows)
+        for key in merged:
+            np.testing.assert_array_equal(merged[key], global_batches[step][key], err_msg=key)
+
+
+def test_same_seed_same_batches_other_seed_other_batches(prepared):
+    a, _ = take(prepared, 2, seed=3)
+    b, _ = take(prepared, 2, seed=3)
+    c, _ = take(prepared, 2, seed=4)
+    np.testing.assert_array_equal(a[1]["input_ids"], b[1]["input_ids"])
+    assert not np.array_equal(a[1]["input_ids"], c[1]["input_ids"])
+
+
+def test_state_restore_continues_exactly_on_any_topology(prepared):
+    full, _ = take(prepared, 5)
+    _, iterator = take(prepared, 3)
+    state = iterator.get_state()
+    rest, _ = take(prepared, 2, state=state)
+    for a, b in zip(rest, full[3:], strict=True):
+        for key in a:
+            np.testing.assert_array_equal(a[key], b[key])
+    parts = [take(prepared, 2, process_index=p, process_count=2, state=state)[0] for p in range(2)]
+    for step in range(2):
+        np.testing.assert_array_equal(
+            concat([parts[0][step], parts[1][step]])["input_ids"], full[3 + step]["input_ids"]
+        )
+
+
+def test_masking_statistics(prepared):
+    batches, _ = take(prepared, 40, batch=64)
+    masked = replaced = kept = randomized = positions = tokens = 0
+    special = set(prepared.special_ids.values())
+    for b in batches:
+        lengths = b["input_mask"].sum(1)
+        tokens += lengths.sum()
+        w = b["masked_lm_weights"] > 0
+        positions += w.sum()
+        rows = np.nonzero(w)[0]
+        now = b["input_ids"][rows, b["masked_lm_positions"][w]]
+        original = b["masked_lm_ids"][w]
+        replaced += np.sum(now == prepared.special_ids["mask"])
+        kept += np.sum(now == original)
+        randomized += np.sum((now != original) & (now != prepared.special_ids["mask"]))
+        masked += w.sum()
+        assert not any(int(t) in special for t in original)  # never [CLS], [SEP], [PAD]
+    assert abs(positions / tokens - 0.15) < 0.01
+    assert abs(replaced / masked - 0.8) < 0.01
+    assert abs(randomized / masked - 0.1) < 0.01 + 0.002  # a random token may equal the original
+    assert abs(kept / masked - 0.1) < 0.01 + 0.002
+
+
+def test_masking_is_a_pure_function_of_seed_epoch_index():
+    ids = np.tile(np.arange(2, 34, dtype=np.int32), (3, 1))
+    options = masking.MaskingOptions(
+        vocab_size=50, mask_id=4, special_ids=(0, 1, 2, 3, 4), max_predictions_per_seq=5
+    )
+    args = (np.full(3, 32), np.zeros(3, np.int64), np.arange(3))
+    a = masking.mask_batch(ids, *args, seed=1, options=options)
+    b = masking.mask_batch(ids[::-1].copy(), args[0], args[1], args[2][::-1].copy(), 1, options)
+    np.testing.assert_array_equal(a["masked_lm_positions"], b["masked_lm_positions"][::-1])
+
+
+def test_whole_word_masking_masks_all_pieces():
+    # ids 10..13: 11 and 13 are "##" continuations of 10 and 12.
+    ids = np.asarray([[2, 10, 11, 12, 13, 14, 15, 3]], np.int32)
+    options = masking.MaskingOptions(
+        vocab_size=20,
+        mask_id=4,
+        special_ids=(0, 1, 2, 3, 4),
+        max_predictions_per_seq=4,
+        masked_lm_prob=0.5,
+        continuation_ids=(11, 13),
+        whole_word_masking=True,
+    )
+    for index in range(50):
+        out = masking.mask_batch(ids, np.asarray([8]), np.zeros(1), np.asarray([index]), 0, options)
+        chosen = set(out["masked_lm_positions"][0][out["masked_lm_weights"][0] > 0].tolist())
+        assert (1 in chosen) == (2 in chosen) and (3 in chosen) == (4 in chosen)
+
+
+def test_text_source_builds_a_tfds_dataset_and_reuses_it(tmp_path):
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    (corpus / "a.txt").write_text(_documents(40))
+    c = config(tmp_path / "out", source=f"text:{corpus}/*.txt", vocab_size=200)
+    prepared = data.prepare(c, 64)
+    assert prepared.num_examples("train") > 10
+    built = [p for p in (tmp_path / "out" / "pretraining_examples").iterdir()]
+    assert len(built) == 1
+    before = os.path.getmtime(built[0])
+    data.prepare(c, 64)  # same inputs: reused, not rebuilt
+    assert os.path.getmtime(built[0]) == before
+    packed = data.prepare(
+        config(tmp_path / "out", source=c.source, vocab_size=200, next_sentence_prediction=False),
+        64,
+    )
+    (b,), _ = take(packed, 1, batch=4)
+    assert np.all(b["segment_ids"] == 0) and np.all(b["next_sentence_labels"] == 0)
+
+
+def test_interrupted_build_never_looks_complete(tmp_path, monkeypatch):
+    corpus = tmp_path / "c.txt"
+    corpus.write_text(_documents(20))
+    c = config(tmp_path / "out", source=f"text:{corpus}", vocab_size=200)
+
+    def crash(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    with monkeypatch.context() as m:
+        m.setattr(builder_lib.examples_lib, "create_examples", crash)
+        with pytest.raises(KeyboardInterrupt):
+            data.prepare(c, 64)
+    prepared = data.prepare(c, 64)  # a clean rebuild, not a half-written dataset
+    assert prepared.num_examples("train") > 0
+
+
+def test_tfds_source(tmp_path):
+    import tensorflow_datasets as tfds
+
+    class TinyText(tfds.core.GeneratorBasedBuilder):
+        VERSION = tfds.core.Version("1.0.0")
+
+        def _info(self):
+            return self.dataset_info_from_configs(
+                features=tfds.features.FeaturesDict({"text": tfds.features.Text()})
+            )
+
+        def _split_generators(self, dl_manager):
+            return {"train": self._generate_examples()}
+
+        def _generate_examples(self):
+            for i, doc in enumerate(_documents(30).split("\n\n")):
+                yield i, {"text": doc}
+
+    TinyText(data_dir=str(tmp_path / "tfds")).download_and_prepare()
+    c = config(
+        tmp_path / "out",
+        source="tfds:tiny_text",
+        tfds_data_dir=str(tmp_path / "tfds"),
+        vocab_size=200,
+    )
+    assert data.prepare(c, 64).num_examples("train") > 5
+    with pytest.raises(data.DataError, match="not prepared|cannot open"):
+        data.prepare(config(tmp_path / "out", source="tfds:no_such_dataset_xyz"), 64)
+
+
+@pytest.mark.parametrize(
+    "setup, message",
+    [
+        (lambda d: dict(source=f"text:{d}/nothing/*.txt"), "matches no files"),
+        (lambda d: dict(source="text:" + _write(d / "e.txt", "   \n\n  ")), "holds no text"),
+        (lambda d: dict(source=f"text:{_write_bytes(d / 'b.txt', bytes([0xFF, 0xFE]))}"), "UTF-8"),
+        (lambda d: dict(vocab=str(d / "missing.txt")), "no such vocabulary file"),
+        (
+            lambda d: dict(vocab=_write(d / "v.txt", "[PAD]\n[UNK]\nhello\n")),
+            r"lacks the special tokens \['\[CLS\]'",
+        ),
+        (lambda d: dict(source="ftp:corpus"), "not a known source"),
+        (lambda d: dict(validation_fraction=1.5), "validation_fraction=1.5"),
+    ],
+)
+def test_bad_inputs_give_one_line_errors(tmp_path, setup, message):
+    with pytest.raises(data.DataError, match=message) as error:
+        data.prepare(config(tmp_path / "out", **setup(tmp_path)), 64)
+    assert "\n" not in str(error.value)
+
+
+def test_undecodable_files_and_short_documents_are_counted_and_skipped(tmp_path, caplog):
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    (corpus / "good.txt").write_text(_documents(30) + "\n\nTiny.\n\nx")
+    (corpus / "bad.txt").write_bytes(b"\xff\xfe broken")
+    prepared = data.prepare(
+        config(tmp_path / "out", source=f"text:{corpus}/*.txt", vocab_size=200), 64
+    )
+    assert prepared.num_examples("train") > 0
+    assert "skipped 1 files not UTF-8" in caplog.text
+    assert "documents too short" in caplog.text
+
+
+def _write(path, text):
+    path.write_text(text)
+    return str(path)
+
+
+def _write_bytes(path, raw):
+    path.write_bytes(raw)
+    return str(path)
+
+
+def _documents(n):
+    words = "alpha beta gamma delta epsilon zeta theta kappa lambda sigma omega".split()
+    rng = np.random.default_rng(0)
+    docs = []
+    for _ in range(n):
+        sentences = [
+            " ".join(rng.choice(words, rng.integers(4, 12))).capitalize() + "."
+            for _ in range(rng.integers(3, 9))
+        ]
+        docs.append(" ".join(sentences))
+    return "\n\n".join(docs)
