@@ -5,4 +5,4 @@ cd "$(dirname "$0")/.."
 bash scripts/venv.sh
 .venv/bin/ruff check lambjax configs launch tests benchmarks
 .venv/bin/ruff format --check lambjax configs launch tests benchmarks
-exec .venv/bin/python -m pytest -n 2 "$@" tests
+exec .venv/bin/python -m pytest -n 2 --dist loadfile "$@" tests

@@ -221,3 +221,35 @@ def to_transformers(
         json.dump(config_to_hf(config), f, indent=2)
     if vocab_file:
         shutil.copyfile(vocab_file, os.path.join(path, "vocab.txt"))
+
+
+def export_workdir(workdir: str, out: str) -> str:
+    """Exports the newest checkpoint of a training workdir; returns what was exported."""
+    from lambjax.train import checkpointing
+
+    meta, params = checkpointing.latest_params(workdir)
+    config = bert.BertConfig(**meta["model_config"])
+    vocab = meta.get("vocab_file")
+    to_transformers(
+        config, params, out, vocab_file=vocab if vocab and os.path.exists(vocab) else None
+    )
+    return f"{meta['phase']} of {workdir} ({config.num_layers} layers) -> {out}"
+
+
+def main(argv=None):
+    import argparse
+
+    parser = argparse.ArgumentParser(
+        description="Export a lambjax training workdir's newest checkpoint to transformers."
+    )
+    parser.add_argument("--workdir", required=True)
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args(argv)
+    try:
+        print(export_workdir(args.workdir, args.out))
+    except (FileNotFoundError, ValueError) as error:
+        raise SystemExit(f"lambjax.models.hf: error: {error}") from None
+
+
+if __name__ == "__main__":
+    main()

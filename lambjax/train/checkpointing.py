@@ -14,12 +14,12 @@ warning, and the one before it is used.
 """
 
 import dataclasses
-import os
+import json
 import time
-from collections.abc import Callable
 from typing import Any
 
 import jax
+import numpy as np
 import orbax.checkpoint as ocp
 from absl import logging
 from etils import epath
@@ -147,41 +147,43 @@ def final_step_of(workdir: str, phase_name: str, num_steps: int) -> bool:
     return (checkpoint_dir(workdir, phase_name) / str(num_steps)).exists()
 
 
-def restore_params_for_export(
-    workdir: str, make_abstract_params: Callable[[dict], Any]
-) -> tuple[dict, Any]:
-    """Latest parameters of a training workdir, for export (see lambjax.models.hf).
+def latest_params(workdir: str) -> tuple[dict, dict]:
+    """(meta, params as numpy) of the newest readable checkpoint of a training workdir.
 
-    Looks through the phases of the run's config (newest phase first) and returns
-    (meta, params) of the newest readable checkpoint. `make_abstract_params(meta)` gives the
-    abstract parameter tree for that checkpoint's model config.
+    Phases are searched from the last of the run's `phase_order` backwards; the arrays are
+    read onto the host, whatever mesh wrote them (for export, e.g. lambjax.models.hf).
     """
     root = epath.Path(workdir) / "checkpoints"
-    if not root.exists():
-        raise FileNotFoundError(f"no checkpoints under {root}: is {workdir} a training workdir?")
-    phases = sorted(
-        (p for p in root.iterdir() if p.is_dir() and "." not in p.name),
-        key=lambda p: os.path.getmtime(p),
-        reverse=True,
+    phase_dirs = (
+        sorted(p for p in root.iterdir() if p.is_dir() and "." not in p.name)
+        if (root.exists())
+        else []
     )
-    for phase_dir in phases:
+    if not phase_dirs:
+        raise FileNotFoundError(f"no checkpoints under {root}: is {workdir} a training workdir?")
+    candidates = []
+    for phase_dir in phase_dirs:
         manager = ocp.CheckpointManager(
             phase_dir,
             options=ocp.CheckpointManagerOptions(read_only=True),
             item_names=("state", "data", "meta"),
         )
-        for step in sorted(manager.all_steps(), reverse=True):
-            try:
-                meta = manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))
-                meta = meta.meta
-                abstract = make_abstract_params(meta)
-                state = manager.restore(
-                    step,
-                    args=ocp.args.Composite(state=ocp.args.PyTreeRestore(partial_restore=True)),
-                )
-            except Exception as error:  # noqa: BLE001
-                logging.warning("skipping unreadable checkpoint %s/%s: %s", phase_dir, step, error)
-                continue
-            del abstract
-            return meta, state.state["params"]
+        for step in manager.all_steps():
+            meta = manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore())).meta
+            order = json.loads(meta["config"]).get("phase_order", [])
+            rank = order.index(meta["phase"]) if meta["phase"] in order else -1
+            candidates.append((rank, step, phase_dir, meta))
+    checkpointer = ocp.PyTreeCheckpointer()
+    for _, step, phase_dir, meta in sorted(candidates, key=lambda c: c[:2], reverse=True):
+        path = phase_dir / str(step) / "state"
+        try:
+            tree = checkpointer.metadata(path).item_metadata.tree
+            restore_args = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), tree)
+            state = checkpointer.restore(
+                path, args=ocp.args.PyTreeRestore(restore_args=restore_args)
+            )
+        except Exception as error:  # noqa: BLE001 - an unreadable checkpoint is skipped
+            logging.warning("skipping unreadable checkpoint %s: %s", step, error)
+            continue
+        return meta, state["params"]
     raise FileNotFoundError(f"no readable checkpoint under {root}")

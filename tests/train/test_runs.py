@@ -206,3 +206,27 @@ def test_bad_config_ends_with_one_line(tmp_path, data_dir):
     last = result.stderr.strip().splitlines()[-1]
     assert last.startswith("lambjax: error: config.phases.phase1.global_batch_size=33")
     assert "Traceback" not in result.stderr
+
+
+def test_export_cli_writes_a_transformers_checkpoint(reference, tmp_path):
+    import numpy as np
+    import torch
+    import transformers
+
+    out = str(tmp_path / "exported")
+    result = subprocess.run(
+        [sys.executable, "-m", "lambjax.models.hf", f"--workdir={reference}", f"--out={out}"],
+        cwd=REPO,
+        env=environment(1),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "phase2" in result.stdout
+    model = transformers.BertForPreTraining.from_pretrained(out).eval()
+    vocab = open(os.path.join(out, "vocab.txt"), encoding="utf-8").read().split("\n")
+    assert model.config.vocab_size == len([t for t in vocab if t])
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([[2, 10, 11, 3]])).prediction_logits
+    assert np.isfinite(logits.numpy()).all()
