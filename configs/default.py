@@ -24,7 +24,7 @@ def get_config(arg=None):
             max_predictions_per_seq=20,
             global_batch_size=32,
             num_steps=300,
-            learning_rate=2e-3,
+            learning_rate=1e-2,
             warmup_fraction=0.1,
         ),
         phase2=config_lib.phase_config(
@@ -32,7 +32,7 @@ def get_config(arg=None):
             max_predictions_per_seq=80,
             global_batch_size=8,
             num_steps=40,
-            learning_rate=1e-3,
+            learning_rate=5e-3,
             warmup_fraction=0.1,
         ),
     )

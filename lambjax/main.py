@@ -9,7 +9,10 @@ Rerunning a command continues its run from the last checkpoint in --workdir.
 """
 
 import logging as std_logging
+import os
 import sys
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # TensorFlow (metric writers, TFDS) is quiet
 
 from absl import app, flags, logging
 from ml_collections import config_flags

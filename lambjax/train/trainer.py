@@ -8,6 +8,7 @@ according to the order in lambjax.train.checkpointing, and saves every
 
 import dataclasses
 import functools
+import os
 import signal
 import time
 
@@ -74,6 +75,8 @@ class Phase:
 
 def train_and_evaluate(config, workdir: str) -> dict:
     """Runs the remaining phases; returns the last evaluation's metrics."""
+    if "://" not in workdir:  # Orbax needs absolute local paths (gs://... stays as it is)
+        workdir = os.path.abspath(workdir)
     config_lib.validate(config, num_devices=jax.device_count(), process_count=jax.process_count())
     writer = metrics_lib.create_writer(workdir)
     stop = StopRequest()

@@ -1,0 +1,85 @@
+"""A simulated pod: 2 processes x 2 devices through launch/local.py train like 1 x 4."""
+
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from lambjax.train.metrics import read_jsonl
+from tests.train import test_runs
+
+REPO = test_runs.REPO
+STEPS = 6
+
+
+def pod(workdir, data_dir, processes, devices, *extra):
+    return [
+        sys.executable,
+        "launch/local.py",
+        f"--processes={processes}",
+        f"--devices-per-process={devices}",
+        "--",
+        *test_runs.command(workdir, data_dir, *extra)[3:],  # the lambjax.main flags
+    ]
+
+
+def losses(workdir):
+    records = read_jsonl(os.path.join(workdir, "metrics.jsonl"))
+    return {s: r["train/loss"] for s, r in records.items() if "train/loss" in r}
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("datasets"))
+
+
+def test_two_processes_train_like_one(data_dir, tmp_path):
+    overrides = ("--config.phase_order=('phase1',)", f"--config.phases.phase1.num_steps={STEPS}")
+    one = str(tmp_path / "one")
+    test_runs.run(one, data_dir, 4, *overrides)
+    two = str(tmp_path / "two")
+    env = test_runs.environment(2)
+    result = subprocess.run(
+        pod(two, data_dir, 2, 2, *overrides),
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stdout[-4000:]
+    assert "[p0]" in result.stdout and "[p1]" in result.stdout
+    expected, got = losses(one), losses(two)
+    assert sorted(got) == list(range(1, STEPS + 1))
+    for step, loss in got.items():
+        assert loss == pytest.approx(expected[step], rel=1e-5), step
+    # Written by 2 processes, resumed by 1 (and the phase finished, so nothing to redo).
+    resumed = test_runs.run(two, data_dir, 4, *overrides)
+    assert resumed.returncode == 0
+
+
+def test_a_killed_process_stops_the_pod(data_dir, tmp_path):
+    import psutil
+
+    workdir = str(tmp_path / "pod")
+    launcher = subprocess.Popen(
+        pod(workdir, data_dir, 2, 1, "--config.phases.phase1.num_steps=1000"),
+        cwd=REPO,
+        env=test_runs.environment(1),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    deadline = time.time() + 300
+    while not os.path.exists(os.path.join(workdir, "metrics.jsonl")):
+        assert launcher.poll() is None and time.time() < deadline
+        time.sleep(0.2)
+    children = psutil.Process(launcher.pid).children()
+    assert len(children) == 2
+    children[1].kill()
+    out, _ = launcher.communicate(timeout=120)
+    assert launcher.returncode != 0
+    assert "stopping all" in out
+    assert not any(c.is_running() and c.status() != psutil.STATUS_ZOMBIE for c in children)
