@@ -56,8 +56,12 @@ def make_iterator(
     process_index: int = 0,
     process_count: int = 1,
     num_epochs: int | None = None,
+    read_threads: int = 16,
 ) -> BatchIterator:
-    """An iterator over this process's rows of each global batch (see module docstring)."""
+    """An iterator over this process's rows of each global batch (see module docstring).
+
+    `read_threads` threads read examples ahead of the consumer (0: synchronous reads).
+    """
     if split not in prepared.data_sources:
         raise DataError(f"split {split!r} was not built; available: {list(prepared.data_sources)}")
     if global_batch_size <= 0 or global_batch_size % process_count:
@@ -134,6 +138,10 @@ def make_iterator(
             .batch(local_batch, drop_remainder=True)
             .map(mask)
         )
-        return iter(dataset.to_iter_dataset())
+        # Threads read (and mask) ahead of the training step; 0 reads synchronously.
+        options = grain.ReadOptions(
+            num_threads=read_threads, prefetch_buffer_size=4 * local_batch if read_threads else 0
+        )
+        return iter(dataset.to_iter_dataset(options))
 
     return BatchIterator(make, batches_per_epoch, num_batches)

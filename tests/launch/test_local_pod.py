@@ -55,9 +55,20 @@ def test_two_processes_train_like_one(data_dir, tmp_path):
     assert sorted(got) == list(range(1, STEPS + 1))
     for step, loss in got.items():
         assert loss == pytest.approx(expected[step], rel=1e-5), step
-    # Written by 2 processes, resumed by 1 (and the phase finished, so nothing to redo).
+    # A checkpoint written by 2 processes restores in 1, and one written by 1 in 2: both
+    # restore the final step-6 state (and find the phase finished).
     resumed = test_runs.run(two, data_dir, 4, *overrides)
-    assert resumed.returncode == 0
+    assert "resuming from its checkpoint at step 6" in resumed.stderr
+    result = subprocess.run(
+        pod(one, data_dir, 2, 2, *overrides),
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stdout[-4000:]
+    assert "[p1]" in result.stdout and "resuming from its checkpoint at step 6" in result.stdout
 
 
 def test_a_killed_process_stops_the_pod(data_dir, tmp_path):
