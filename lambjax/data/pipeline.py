@@ -10,6 +10,7 @@ processes) continues with exactly the batches an uninterrupted one would see.
 
 import grain
 import numpy as np
+from tensorflow.core.example import example_pb2
 
 from lambjax.data import masking
 from lambjax.data.builder import Prepared
@@ -56,7 +57,7 @@ def make_iterator(
     process_index: int = 0,
     process_count: int = 1,
     num_epochs: int | None = None,
-    read_threads: int = 16,
+    read_threads: int = 2,
 ) -> BatchIterator:
     """An iterator over this process's rows of each global batch (see module docstring).
 
@@ -88,59 +89,56 @@ def make_iterator(
     )
     seq_len = prepared.max_seq_length
     pad_id = prepared.special_ids["pad"]
+    records = source.data_source  # the ArrayRecord reader under the TFDS source
     permutations: dict[int, np.ndarray] = {}
 
-    def global_position(local_index: int) -> tuple[int, int]:
-        """This process's local element -> (epoch, example index in the source)."""
-        step, row = divmod(local_index, local_batch)
-        position = step * global_batch_size + process_index * local_batch + row
-        epoch, offset = divmod(position, batches_per_epoch * global_batch_size)
-        if epoch not in permutations:
-            permutations.clear()  # one epoch at a time is enough
-            permutations[epoch] = np.random.default_rng([seed, epoch]).permutation(num_examples)
-        return epoch, int(permutations[epoch][offset])
+    def rows_of(step: int) -> tuple[np.ndarray, np.ndarray]:
+        """(epoch, example index) of this process's rows of global batch `step`."""
+        first = step * global_batch_size + process_index * local_batch
+        positions = np.arange(first, first + local_batch)
+        epochs, offsets = np.divmod(positions, batches_per_epoch * global_batch_size)
+        indices = np.empty(local_batch, np.int64)
+        for epoch in np.unique(epochs):
+            if epoch not in permutations:
+                if len(permutations) > 1:
+                    permutations.clear()  # an epoch or two at a time is enough
+                permutations[epoch] = np.random.default_rng([seed, epoch]).permutation(num_examples)
+            rows = epochs == epoch
+            indices[rows] = permutations[epoch][offsets[rows]]
+        return epochs, indices
 
-    def read(local_index: int) -> dict:
-        epoch, index = global_position(local_index)
-        example = source[index]
-        ids = np.full(seq_len, pad_id, np.int32)
-        segments = np.zeros(seq_len, np.int32)
-        length = len(example["input_ids"])
-        ids[:length] = example["input_ids"]
-        segments[:length] = example["segment_ids"]
-        return {
-            "input_ids": ids,
-            "segment_ids": segments,
-            "length": np.int32(length),
-            "next_sentence_labels": np.int32(example["next_sentence_label"]),
-            "epoch": np.int64(epoch),
-            "index": np.int64(index),
-        }
-
-    def mask(batch: dict) -> dict:
-        masked = masking.mask_batch(
-            batch["input_ids"], batch["length"], batch["epoch"], batch["index"], seed, options
-        )
-        input_mask = (np.arange(seq_len)[None] < batch["length"][:, None]).astype(np.int32)
+    def read_batch(step: int) -> dict:
+        """Reads, pads and masks this process's rows of global batch `step`."""
+        epochs, indices = rows_of(step)
+        ids = np.full((local_batch, seq_len), pad_id, np.int32)
+        segments = np.zeros((local_batch, seq_len), np.int32)
+        lengths = np.zeros(local_batch, np.int64)
+        labels = np.zeros(local_batch, np.int32)
+        # One batched ArrayRecord read, then a protobuf parse per example: TFDS's generic
+        # per-example decoding would cost several times more than everything else here.
+        for row, record in enumerate(records.__getitems__(indices.tolist())):
+            feature = example_pb2.Example.FromString(record).features.feature
+            tokens = feature["input_ids"].int64_list.value
+            lengths[row] = len(tokens)
+            ids[row, : len(tokens)] = tokens
+            segments[row, : len(tokens)] = feature["segment_ids"].int64_list.value
+            labels[row] = feature["next_sentence_label"].int64_list.value[0]
+        masked = masking.mask_batch(ids, lengths, epochs, indices, seed, options)
+        input_mask = (np.arange(seq_len)[None] < lengths[:, None]).astype(np.int32)
         return {
             **masked,
             "input_mask": input_mask,
-            "segment_ids": batch["segment_ids"],
-            "next_sentence_labels": batch["next_sentence_labels"],
+            "segment_ids": segments,
+            "next_sentence_labels": labels,
         }
 
     def make(start_step: int):
         if batches_per_epoch == 0:
             return iter(())
-        dataset = (
-            grain.MapDataset.range(start_step * local_batch, num_batches * local_batch)
-            .map(read)
-            .batch(local_batch, drop_remainder=True)
-            .map(mask)
-        )
-        # Threads read (and mask) ahead of the training step; 0 reads synchronously.
+        dataset = grain.MapDataset.range(start_step, num_batches).map(read_batch)
+        # Threads read (and mask) batches ahead of the training step; 0 reads synchronously.
         options = grain.ReadOptions(
-            num_threads=read_threads, prefetch_buffer_size=4 * local_batch if read_threads else 0
+            num_threads=read_threads, prefetch_buffer_size=4 if read_threads else 0
         )
         return iter(dataset.to_iter_dataset(options))
 
