@@ -7,7 +7,6 @@ accumulated gradient is exactly the gradient of the global-batch loss, whatever 
 micro-batches or devices.
 """
 
-import functools
 from typing import Any
 
 import flax.struct
@@ -114,23 +113,28 @@ def train_step(
     grad_norm = optax.global_norm(grads)
     finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
 
-    updates, new_opt_state = optimizer.update(grads, state.opt_state, state.params)
-    new_params = optax.apply_updates(state.params, updates)
-    # A non-finite loss or gradient leaves parameters and optimizer state untouched.
-    keep_new = functools.partial(jax.tree.map, lambda new, old: jnp.where(finite, new, old))
-    consecutive = jnp.where(finite, 0, state.consecutive_nonfinite + 1)
+    def apply_update(_):
+        updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+        return optax.apply_updates(state.params, updates), opt_state, optax.global_norm(updates)
+
+    def skip_update(_):
+        return state.params, state.opt_state, jnp.zeros((), jnp.float32)
+
+    # A non-finite loss or gradient leaves parameters and optimizer state untouched. A cond,
+    # not a select: only the taken branch runs, so a normal step costs no extra pass.
+    new_params, new_opt_state, update_norm = jax.lax.cond(finite, apply_update, skip_update, None)
     new_state = state.replace(
         step=state.step + 1,
-        params=keep_new(new_params, state.params),
-        opt_state=keep_new(new_opt_state, state.opt_state),
-        consecutive_nonfinite=consecutive,
+        params=new_params,
+        opt_state=new_opt_state,
+        consecutive_nonfinite=jnp.where(finite, 0, state.consecutive_nonfinite + 1),
         total_nonfinite=state.total_nonfinite + (~finite).astype(jnp.int32),
     )
     metrics.update(
         loss=loss,
         learning_rate=schedule(state.step),
         grad_norm=grad_norm,
-        update_norm=optax.global_norm(updates),
+        update_norm=update_norm,
         param_norm=optax.global_norm(state.params),
         nonfinite=(~finite).astype(jnp.float32),
     )
