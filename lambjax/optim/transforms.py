@@ -61,6 +61,11 @@ def broadcast_per_tensor(values: jax.Array, x: jax.Array) -> jax.Array:
     return values.reshape(values.shape + (1,) * (x.ndim - 1))
 
 
+def ones_per_tensor(x: jax.Array, stacked: bool) -> jax.Array:
+    """A ratio of 1 for the tensor: a scalar, or one per layer slice if stacked."""
+    return jnp.ones((x.shape[0],) if stacked and x.ndim else (), jnp.float32)
+
+
 def safe_ratio(numerator: jax.Array, denominator: jax.Array, guard: jax.Array) -> jax.Array:
     """numerator / denominator, or 1 where `guard` is true (a zero norm)."""
     safe_denominator = jnp.where(guard, 1.0, denominator)
@@ -169,13 +174,10 @@ def scale_by_trust_ratio(
     """
     _check_bounds(param_norm_bounds, "param_norm_bounds")
 
-    def ratio_shape(x, is_stacked):
-        return jnp.ones((x.shape[0],) if is_stacked and x.ndim else (), jnp.float32)
-
     def init_fn(params):
         resolve_mask(mask, params, argument="mask", default=True)
         stacked = resolve_mask(stacked_layers, params, argument="stacked_layers", default=False)
-        return TrustRatioState(jax.tree.map(ratio_shape, params, stacked))
+        return TrustRatioState(jax.tree.map(ones_per_tensor, params, stacked))
 
     def update_fn(updates, state, params=None):
         if params is None:
@@ -185,7 +187,7 @@ def scale_by_trust_ratio(
 
         def ratio(u, x, applies_here, is_stacked):
             if not applies_here:
-                return ratio_shape(x, is_stacked)
+                return ones_per_tensor(x, is_stacked)
             param_norm = jnp.sqrt(tensor_sq_norms(x, is_stacked))
             update_norm = jnp.sqrt(tensor_sq_norms(u, is_stacked))
             guard = (param_norm == 0.0) | (update_norm == 0.0)
@@ -236,14 +238,11 @@ def scale_by_lans(
     """
     _check_bounds(param_norm_bounds, "param_norm_bounds")
 
-    def ratio_shape(x, is_stacked):
-        return jnp.ones((x.shape[0],) if is_stacked and x.ndim else (), jnp.float32)
-
     def init_fn(params):
         resolve_mask(weight_decay_mask, params, argument="weight_decay_mask", default=True)
         stacked = resolve_mask(stacked_layers, params, argument="stacked_layers", default=False)
         zeros = jax.tree.map(jnp.zeros_like, params)
-        ones = jax.tree.map(ratio_shape, params, stacked)
+        ones = jax.tree.map(ones_per_tensor, params, stacked)
         return ScaleByLansState(jnp.zeros([], jnp.int32), zeros, zeros, ones, ones)
 
     def update_fn(updates, state, params=None):
