@@ -32,6 +32,8 @@ def default_config() -> ml_collections.ConfigDict:
             "masked_lm_prob": 0.15,
             "validation_fraction": 0.05,  # of documents, held out whole
             "build_seed": 12345,
+            # A corpus of more documents is built in shards of this many, on every core.
+            "build_shard_documents": 2000,
             # Where built datasets (and trained vocabularies) live; None: ~/tensorflow_datasets.
             "data_dir": ml_collections.FieldReference(None, field_type=str),
             # TFDS data dir of a `tfds:` source; None: TFDS's default.

@@ -8,9 +8,11 @@ Stored as ArrayRecord, for the random access grain needs. Validation holds whole
 documents out (`validation_fraction` of them, chosen by a hash of the document index).
 """
 
+import concurrent.futures
 import dataclasses
 import hashlib
 import json
+import multiprocessing
 import os
 import tempfile
 
@@ -112,6 +114,7 @@ def prepare(data_config, max_seq_length: int, *, data_dir: str | None = None) ->
         "options": dataclasses.asdict(options),
         "validation_fraction": config["validation_fraction"],
         "build_seed": config["build_seed"],
+        "shard_documents": config["build_shard_documents"],
     }
     key = "k" + hashlib.sha256(json.dumps(inputs, sort_keys=True).encode()).hexdigest()[:16]
 
@@ -181,6 +184,34 @@ def _vocab_file(config: dict, fingerprint: str, data_dir: str, load_documents) -
     return path
 
 
+def _build_split(docs, tokenizer, options, seed, config) -> tuple[list[dict], dict]:
+    """One split's examples. A large corpus is cut into shards of `build_shard_documents`
+    documents, built in parallel on every core (the random next sentence is drawn from the
+    same shard, as Google's per-file build does); the result depends on the shard size,
+    never on the number of cores."""
+    size = config["build_shard_documents"]
+    shards = [docs[i : i + size] for i in range(0, len(docs), size)]
+    if len(shards) == 1:
+        return examples_lib.create_examples(
+            examples_lib.tokenize_documents(docs, tokenizer), options, seed
+        )
+    vocab = tokenizer.get_vocab()
+    jobs = [
+        (shard, vocab, config["lower_case"], options, seed * 1_000_003 + i)
+        for i, shard in enumerate(shards)
+    ]
+    context = multiprocessing.get_context("spawn")  # no fork of a threaded JAX/TF process
+    workers = min(len(shards), os.cpu_count() or 1)
+    with concurrent.futures.ProcessPoolExecutor(workers, mp_context=context) as pool:
+        results = list(pool.map(examples_lib.build_shard, jobs))
+    examples = [e for shard_examples, _ in results for e in shard_examples]
+    skipped: dict[str, int] = {}
+    for _, shard_skipped in results:
+        for reason, count in shard_skipped.items():
+            skipped[reason] = skipped.get(reason, 0) + count
+    return examples, skipped
+
+
 def _split_examples(documents, tokenizer, options, config) -> dict[str, list[dict]]:
     """Holds out whole documents for validation, then makes each split's examples."""
     fraction = config["validation_fraction"]
@@ -193,9 +224,8 @@ def _split_examples(documents, tokenizer, options, config) -> dict[str, list[dic
     for split, docs in by_split.items():
         if not docs:
             continue
-        tokenized = examples_lib.tokenize_documents(docs, tokenizer)
         seed = config["build_seed"] + (0 if split == "train" else 1)
-        examples, skipped = examples_lib.create_examples(tokenized, options, seed)
+        examples, skipped = _build_split(docs, tokenizer, options, seed, config)
         for reason, count in skipped.items():
             logging.warning("Data build (%s) skipped %d %s", split, count, reason)
         if examples:

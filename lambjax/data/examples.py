@@ -141,3 +141,12 @@ def _packed_examples(documents, options: ExampleOptions) -> list[dict]:
     if current:
         examples.append(_example(current, [], False, options))
     return examples
+
+
+def build_shard(job) -> tuple[list[dict], dict]:
+    """Tokenizes and builds one shard of documents (runs in a worker process)."""
+    import tokenizers
+
+    documents, vocab, lower_case, options, seed = job
+    tokenizer = tokenizers.BertWordPieceTokenizer(vocab, lowercase=lower_case)
+    return create_examples(tokenize_documents(documents, tokenizer), options, seed)

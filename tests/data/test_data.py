@@ -168,6 +168,20 @@ def test_text_source_builds_a_tfds_dataset_and_reuses_it(tmp_path):
     assert np.all(b["segment_ids"] == 0) and np.all(b["next_sentence_labels"] == 0)
 
 
+def test_large_corpus_builds_in_parallel_shards_deterministically(tmp_path):
+    corpus = tmp_path / "c.txt"
+    corpus.write_text(_documents(60))
+    records = []
+    for name in ("a", "b"):
+        c = config(tmp_path / name, source=f"text:{corpus}", vocab_size=200)
+        c.build_shard_documents = 20  # 3 shards, built by worker processes
+        prepared = data.prepare(c, 64)
+        source = prepared.data_sources["train"]
+        records.append([source[i]["input_ids"].tolist() for i in range(len(source))])
+    assert len(records[0]) > 20
+    assert records[0] == records[1]
+
+
 def test_interrupted_build_never_looks_complete(tmp_path, monkeypatch):
     corpus = tmp_path / "c.txt"
     corpus.write_text(_documents(20))
