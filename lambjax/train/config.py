@@ -46,6 +46,20 @@ def optimizer_config(name: str = "lamb") -> ml_collections.ConfigDict:
     )
 
 
+def _unset_fields(example) -> ml_collections.ConfigDict:
+    """The same fields, each None (settable from the command line with its type)."""
+    return ml_collections.ConfigDict(
+        {
+            k: ml_collections.FieldReference(None, field_type=type(v) if v is not None else float)
+            for k, v in dict(example).items()
+        }
+    )
+
+
+def _overrides(fields: ml_collections.ConfigDict) -> dict:
+    return {k: v for k, v in fields.to_dict().items() if v is not None}
+
+
 def phase_config(
     *,
     max_seq_length: int,
@@ -75,9 +89,10 @@ def phase_config(
             # At the start of a later phase: keep the previous phase's moments (with the
             # step count and bias correction restarted, as NVIDIA's phase 2) or start fresh.
             "optimizer_state": optimizer_state,
-            # Field overrides of the top-level optimizer / mesh for this phase only.
-            "optimizer": ml_collections.ConfigDict(),
-            "mesh": ml_collections.ConfigDict(),
+            # Overrides of the top-level optimizer / mesh for this phase only (None: inherit),
+            # e.g. --config.phases.phase2.optimizer.name=lans.
+            "optimizer": _unset_fields(optimizer_config()),
+            "mesh": _unset_fields({"data": 1, "fsdp": 1, "tensor": 1}),
         }
     )
 
@@ -125,13 +140,13 @@ def with_phases(config: ml_collections.ConfigDict, **phases) -> ml_collections.C
 def phase_optimizer(config, phase_name: str) -> ml_collections.ConfigDict:
     """The top-level optimizer config with the phase's overrides applied."""
     merged = ml_collections.ConfigDict(config.optimizer.to_dict())
-    merged.update(config.phases[phase_name].optimizer.to_dict())
+    merged.update(_overrides(config.phases[phase_name].optimizer))
     return merged
 
 
 def phase_mesh(config, phase_name: str) -> dict[str, int]:
     merged = dict(config.mesh.to_dict())
-    merged.update(config.phases[phase_name].mesh.to_dict())
+    merged.update(_overrides(config.phases[phase_name].mesh))
     return merged
 
 

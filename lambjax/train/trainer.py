@@ -188,13 +188,13 @@ def initial_state(config, workdir: str, phase: Phase, ckpt: checkpointing.PhaseC
 def from_previous_phase(config, workdir, phase: Phase, previous: str, target, shardings):
     """Phase transition: parameters always; moments kept (step count restarted) or reset."""
     previous_config = config.phases[previous]
-    previous_optimizer = optimizer_lib.make_optimizer(
-        config_lib.phase_optimizer(config, previous),
-        optimizer_lib.learning_rate_schedule(previous_config),
-    )
     if phase.config.optimizer_state == "keep":
         previous_target = target
     else:  # the previous optimizer's state may have another structure
+        previous_optimizer = optimizer_lib.make_optimizer(
+            config_lib.phase_optimizer(config, previous),
+            optimizer_lib.learning_rate_schedule(previous_config),
+        )
         previous_phase = dataclasses.replace(phase, optimizer=previous_optimizer)
         _, abstract, previous_shardings = abstract_train_state(previous_phase)
         previous_target = checkpointing.abstract_with_shardings(abstract, previous_shardings)

@@ -230,3 +230,23 @@ def test_export_cli_writes_a_transformers_checkpoint(reference, tmp_path):
     with torch.no_grad():
         logits = model(input_ids=torch.tensor([[2, 10, 11, 3]])).prediction_logits
     assert np.isfinite(logits.numpy()).all()
+
+
+def test_phase_two_with_a_fresh_optimizer_of_another_kind(reference, data_dir, tmp_path):
+    workdir = str(tmp_path / "run")
+    shutil.copytree(reference, workdir)
+    shutil.rmtree(os.path.join(workdir, "checkpoints", "phase2"))
+    os.remove(os.path.join(workdir, "metrics.jsonl"))
+    result = run(
+        workdir,
+        data_dir,
+        4,
+        "--config.phases.phase2.optimizer_state=reset",
+        "--config.phases.phase2.optimizer.name=lans",
+    )
+    assert "optimizer state: reset" in result.stderr
+    records = read_jsonl(os.path.join(workdir, "metrics.jsonl"))
+    final = records[PHASE1_STEPS + PHASE2_STEPS]
+    assert "train/trust_ratio_adam_mean" in final  # LANS's ratios are logged
+    # Phase 2 starts from phase 1's parameters: its first loss is near phase 1's last.
+    assert abs(losses(workdir)[PHASE1_STEPS + 1] - losses(reference)[PHASE1_STEPS + 1]) < 0.5
