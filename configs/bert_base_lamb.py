@@ -1,11 +1,11 @@
-"""BERT-base with NVIDIA's LAMB recipe (see lambjax.train.config.nvidia_lamb_recipe).
+"""BERT-base with NVIDIA's LAMB recipe (see lambjax.train.recipes.nvidia_lamb_recipe).
 
 python -m lambjax.main --config=configs/bert_base_lamb.py --workdir=gs://BUCKET/run
 python -m lambjax.main --config=configs/bert_base_lamb.py:runlocal --workdir=/tmp/run
 """
 
-from lambjax.train import config as config_lib
+from lambjax.train import recipes
 
 
 def get_config(arg=None):
-    return config_lib.apply_variant(config_lib.nvidia_lamb_recipe("base"), arg)
+    return recipes.apply_variant(recipes.nvidia_lamb_recipe("base"), arg)

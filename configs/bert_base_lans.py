@@ -1,11 +1,11 @@
-"""BERT-base with the LANS recipe (see lambjax.train.config.lans_recipe).
+"""BERT-base with the LANS recipe (see lambjax.train.recipes.lans_recipe).
 
 python -m lambjax.main --config=configs/bert_base_lans.py --workdir=gs://BUCKET/run
 python -m lambjax.main --config=configs/bert_base_lans.py:runlocal --workdir=/tmp/run
 """
 
-from lambjax.train import config as config_lib
+from lambjax.train import recipes
 
 
 def get_config(arg=None):
-    return config_lib.apply_variant(config_lib.lans_recipe("base"), arg)
+    return recipes.apply_variant(recipes.lans_recipe("base"), arg)

@@ -7,6 +7,7 @@ rates suit this small batch (the paper's are for batch 65,536).
 """
 
 from lambjax.train import config as config_lib
+from lambjax.train import recipes
 
 
 def get_config(arg=None):
@@ -40,4 +41,4 @@ def get_config(arg=None):
     config.eval_every_steps = 100
     config.eval_batch_size = 16
     config.checkpoint_every_steps = 100
-    return config_lib.apply_variant(config, arg)
+    return recipes.apply_variant(config, arg)

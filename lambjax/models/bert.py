@@ -476,22 +476,35 @@ def pretraining_stats(
 # FLOPs
 
 
-def forward_flops(config: BertConfig, batch_size: int, seq_len: int, predictions: int) -> int:
+def forward_flops(
+    config: BertConfig, batch_size: int, seq_len: int, predictions: int, *, num_layers=None
+) -> int:
     """Matmul FLOPs (2 per multiply-add) of one forward pass, MLM head on gathered positions.
 
     Per sequence and layer: Q, K, V and output projections 4 * 2*S*H^2; attention scores and
     their product with V 2 * 2*S^2*H (bidirectional: every query sees every key); the MLP
     2 * 2*S*H*I. Heads: pooler 2*H^2, NSP 2*H*2, and per masked position the transform
-    2*H^2 plus the tied decoder 2*H*V.
+    2*H^2 plus the tied decoder 2*H*V. `num_layers` counts only that many encoder layers.
     """
     h, m, s, v = config.hidden_size, config.intermediate_size, seq_len, config.vocab_size
+    layers = config.num_layers if num_layers is None else num_layers
     per_layer = 8 * s * h * h + 4 * s * s * h + 4 * s * h * m
     heads = 2 * h * h + 4 * h + predictions * (2 * h * h + 2 * h * v)
-    return batch_size * (config.num_layers * per_layer + heads)
+    return batch_size * (layers * per_layer + heads)
 
 
 def train_step_flops(
-    config: BertConfig, batch_size: int, seq_len: int, max_predictions_per_seq: int
+    config: BertConfig,
+    batch_size: int,
+    seq_len: int,
+    max_predictions_per_seq: int,
+    *,
+    num_frozen_layers: int = 0,
 ) -> int:
-    """Forward + backward (twice the forward: gradients of activations and of weights)."""
-    return 3 * forward_flops(config, batch_size, seq_len, max_predictions_per_seq)
+    """Forward + backward (twice the forward: gradients of activations and of weights).
+
+    Frozen bottom layers (a stage of multi-stage layerwise training) run forward only.
+    """
+    args = (config, batch_size, seq_len, max_predictions_per_seq)
+    frozen = forward_flops(*args, num_layers=num_frozen_layers) - forward_flops(*args, num_layers=0)
+    return 3 * forward_flops(*args) - 2 * frozen

@@ -8,9 +8,14 @@ A config is an `ml_collections.ConfigDict`:
   data:       `lambjax.data.default_config()` (source, vocab, ...)
   optimizer:  the default optimizer of every phase (name, betas, weight decay, clipping)
   mesh:       the default device mesh of every phase ({data, fsdp, tensor} sizes; -1 = rest)
+  layer_drop: progressive layer dropping (off by default; lambjax.train.layer_drop)
   phases:     name -> phase (sequence length, global batch, accumulation, steps, schedule,
-              and optional `optimizer` / `mesh` overrides for that phase)
+              optional `optimizer` / `mesh` overrides, and the encoder depth and frozen
+              bottom layers of a multi-stage layerwise training stage: lambjax.train.stacking)
   phase_order: the phase names in the order they run.
+
+The recipes (NVIDIA LAMB, LANS) and the variants every config accepts (`runlocal`, `pld`,
+`mslt`) are in lambjax.train.recipes.
 """
 
 import ml_collections
@@ -72,6 +77,8 @@ def phase_config(
     constant_fraction: float = 0.0,
     grad_accum_steps: int = 1,
     optimizer_state: str = "keep",
+    num_layers: int | None = None,
+    frozen_layers: int = 0,
 ) -> ml_collections.ConfigDict:
     return ml_collections.ConfigDict(
         {
@@ -89,6 +96,11 @@ def phase_config(
             # At the start of a later phase: keep the previous phase's moments (with the
             # step count and bias correction restarted, as NVIDIA's phase 2) or start fresh.
             "optimizer_state": optimizer_state,
+            # Multi-stage layerwise training: this phase's encoder depth (None: the model's)
+            # and how many bottom layers run forward only (not trained, no optimizer state).
+            # A deeper phase than the one before grows the encoder by copying its top layers.
+            "num_layers": ml_collections.FieldReference(num_layers, field_type=int),
+            "frozen_layers": frozen_layers,
             # Overrides of the top-level optimizer / mesh for this phase only (None: inherit),
             # e.g. --config.phases.phase2.optimizer.name=lans.
             "optimizer": _unset_fields(optimizer_config()),
@@ -111,6 +123,11 @@ def base_config() -> ml_collections.ConfigDict:
     config.data = data_lib.default_config()
     config.optimizer = optimizer_config("lamb")
     config.mesh = ml_collections.ConfigDict({"data": -1, "fsdp": 1, "tensor": 1})
+    # Progressive layer dropping (needs model layer_norm="pre"): keep probability
+    # theta(t) = (1 - theta_bar) exp(-gamma t) + theta_bar, t = optimizer steps of the run.
+    config.layer_drop = ml_collections.ConfigDict(
+        {"enabled": False, "theta_bar": 0.5, "gamma": 0.001}
+    )
     config.phases = ml_collections.ConfigDict()
     config.phase_order = ()
     config.log_every_steps = 10
@@ -150,13 +167,17 @@ def phase_mesh(config, phase_name: str) -> dict[str, int]:
     return merged
 
 
-def model_config(config, vocab_size: int) -> bert.BertConfig:
+def model_config(config, vocab_size: int, phase_name: str | None = None) -> bert.BertConfig:
+    """The model of the run, at the depth of phase `phase_name` if that phase sets one."""
     overrides = dict(config.model.overrides.to_dict())
     overrides.setdefault("vocab_size", vocab_size)
+    if phase_name is not None and config.phases[phase_name].num_layers is not None:
+        overrides["num_layers"] = config.phases[phase_name].num_layers
     try:
         return bert.BertConfig.preset(config.model.preset, **overrides)
-    except TypeError as e:  # an override that is no BertConfig field
-        raise ConfigError(f"config.model.overrides: {e}") from e
+    except (TypeError, ValueError) as e:  # no such field, or values BertConfig rejects
+        where = f"config.model (phase {phase_name!r})" if phase_name else "config.model"
+        raise ConfigError(f"{where}: {e}") from e
 
 
 def validate(config, *, num_devices: int, process_count: int = 1) -> None:
@@ -179,6 +200,50 @@ def validate(config, *, num_devices: int, process_count: int = 1) -> None:
         )
     for index, name in enumerate(config.phase_order):
         validate_phase(config, name, index, num_devices=num_devices, process_count=process_count)
+    validate_layer_schemes(config)
+
+
+def validate_layer_schemes(config) -> None:
+    """Progressive layer dropping and the stages of multi-stage layerwise training."""
+    drop = config.layer_drop
+    if drop.enabled:
+        if not 0 < drop.theta_bar <= 1:
+            raise ConfigError(f"config.layer_drop.theta_bar={drop.theta_bar} must lie in (0, 1]")
+        if drop.gamma < 0:
+            raise ConfigError(f"config.layer_drop.gamma={drop.gamma} must be >= 0")
+        layer_norm = model_config(config, vocab_size=1).layer_norm
+        if layer_norm != "pre":
+            raise ConfigError(
+                f"config.layer_drop.enabled=True needs PreLN blocks (the paper's switchable "
+                f"transformer blocks), but the model has layer_norm={layer_norm!r}; set "
+                f"--config.model.overrides.layer_norm=pre"
+            )
+    previous = None
+    for name in config.phase_order:
+        phase, where = config.phases[name], f"config.phases.{name}"
+        depth = model_config(config, vocab_size=1, phase_name=name).num_layers
+        if not 0 <= phase.frozen_layers < depth:
+            raise ConfigError(
+                f"{where}.frozen_layers={phase.frozen_layers} must lie in [0, {depth}) for "
+                f"its {depth} layers (at least the top layer trains)"
+            )
+        if previous is not None:
+            previous_phase, previous_depth = previous
+            if depth < previous_depth:
+                raise ConfigError(
+                    f"{where} has {depth} layers, fewer than the {previous_depth} of the phase "
+                    f"before it: stages may only grow the encoder"
+                )
+            changed = depth != previous_depth or phase.frozen_layers != (
+                previous_phase.frozen_layers
+            )
+            if changed and phase.optimizer_state == "keep":
+                raise ConfigError(
+                    f"{where} changes the trained layers (depth {previous_depth} -> {depth}, "
+                    f"frozen {previous_phase.frozen_layers} -> {phase.frozen_layers}), so the "
+                    f"optimizer state cannot be kept: set {where}.optimizer_state='reset'"
+                )
+        previous = (phase, depth)
 
 
 def validate_phase(config, name: str, index: int, *, num_devices: int, process_count: int):
@@ -247,111 +312,3 @@ def _data_parallel_size(mesh: dict, num_devices: int, where: str) -> int:
     except ValueError as e:
         raise ConfigError(f"{where}: {e}") from e
     return shape["data"] * shape["fsdp"]
-
-
-def runlocal(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
-    """The same recipe (optimizer, schedules, phases) shrunk to run on a CPU in minutes."""
-    config.model.preset = "tiny"
-    config.model.overrides = ml_collections.ConfigDict({"dtype": "float32"})
-    config.data.source = "embedded"
-    config.data.vocab = "train"
-    config.data.vocab_size = 2048
-    for name in config.phase_order:
-        phase = config.phases[name]
-        long = phase.max_seq_length > 128
-        phase.global_batch_size = 16 if long else 32
-        phase.grad_accum_steps = 2
-        phase.num_steps = 6
-    config.log_every_steps = 2
-    config.eval_every_steps = 6
-    config.eval_batch_size = 8
-    config.eval_steps = 2
-    config.checkpoint_every_steps = 3
-    return config
-
-
-def nvidia_lamb_recipe(preset: str) -> ml_collections.ConfigDict:
-    """NVIDIA's BERT pretraining with LAMB (DeepLearningExamples): 65,536 then 32,768.
-
-    Gradient accumulation here suits 256 devices (micro-batches of 64 x 128 tokens and
-    8 x 512 tokens per device); set grad_accum_steps for your pod.
-    """
-    config = base_config()
-    config.model.preset = preset
-    config.data.source = "tfds:wikipedia/20230601.en"
-    config.data.vocab_size = 30522
-    config.optimizer = optimizer_config("lamb")
-    with_phases(
-        config,
-        phase1=phase_config(
-            max_seq_length=128,
-            max_predictions_per_seq=20,
-            global_batch_size=65536,
-            grad_accum_steps=4,
-            num_steps=7038,
-            learning_rate=6e-3,
-            warmup_fraction=0.2843,
-        ),
-        phase2=phase_config(
-            max_seq_length=512,
-            max_predictions_per_seq=80,
-            global_batch_size=32768,
-            grad_accum_steps=16,
-            num_steps=1563,
-            learning_rate=4e-3,
-            warmup_fraction=0.128,
-        ),
-    )
-    config.log_every_steps = 10
-    config.eval_every_steps = 500
-    config.eval_batch_size = 1024
-    config.eval_steps = 10
-    config.checkpoint_every_steps = 200
-    return config
-
-
-def lans_recipe(preset: str) -> ml_collections.ConfigDict:
-    """LANS (Zheng et al.): batch 96K (98,304) then 33K (32,768), warmup-constant-decay.
-
-    From the paper: the batch sizes and the schedule's shape. The learning rate, warmup and
-    constant fractions are those of the authors' later GluonNLP LANS script (5e-3, 0.05,
-    0.25); the step counts keep NVIDIA's number of samples per phase. Neither is published
-    for the 54-minute run.
-    """
-    config = nvidia_lamb_recipe(preset)
-    config.optimizer = optimizer_config("lans")
-    with_phases(
-        config,
-        phase1=phase_config(
-            max_seq_length=128,
-            max_predictions_per_seq=20,
-            global_batch_size=98304,
-            grad_accum_steps=6,
-            num_steps=4692,
-            learning_rate=5e-3,
-            schedule="warmup_constant_decay",
-            warmup_fraction=0.05,
-            constant_fraction=0.25,
-        ),
-        phase2=phase_config(
-            max_seq_length=512,
-            max_predictions_per_seq=80,
-            global_batch_size=32768,
-            grad_accum_steps=16,
-            num_steps=1563,
-            learning_rate=5e-3,
-            schedule="warmup_constant_decay",
-            warmup_fraction=0.05,
-            constant_fraction=0.25,
-        ),
-    )
-    return config
-
-
-def apply_variant(config: ml_collections.ConfigDict, arg: str | None):
-    """The variants every recipe config accepts (`--config=configs/X.py:VARIANT`)."""
-    if arg in (None, ""):
-        return config
-    if arg == "runlocal":
-        return runlocal(config)
-    raise ConfigError(f"unknown config variant {arg!r}; valid: runlocal")

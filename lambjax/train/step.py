@@ -5,6 +5,11 @@ that a `lax.scan` walks through, summing gradients; the update is applied once a
 Losses are sums over the micro-batch divided by counts over the *global* batch, so the
 accumulated gradient is exactly the gradient of the global-batch loss, whatever the number of
 micro-batches or devices.
+
+Two layer-level training schemes plug in here: progressive layer dropping
+(`layer_drop`, lambjax.train.layer_drop) draws which layers each micro-batch runs, and
+multi-stage layerwise training (`num_frozen_layers`, lambjax.train.stacking) differentiates
+and updates only the parameters above the frozen bottom layers.
 """
 
 from typing import Any
@@ -16,6 +21,8 @@ import optax
 
 from lambjax import optim
 from lambjax.models import bert
+from lambjax.train import stacking
+from lambjax.train.layer_drop import LayerDrop
 
 STAT_KEYS = (
     "mlm_loss_sum",
@@ -35,11 +42,16 @@ class TrainState(flax.struct.PyTreeNode):
     total_nonfinite: jax.Array
 
     @classmethod
-    def create(cls, params, optimizer: optax.GradientTransformation) -> "TrainState":
+    def create(
+        cls, params, optimizer: optax.GradientTransformation, num_frozen_layers: int = 0
+    ) -> "TrainState":
+        """A fresh state; the optimizer state covers only what is trained (see stacking)."""
+
         def zero():
             return jnp.zeros((), jnp.int32)
 
-        return cls(zero(), params, optimizer.init(params), zero(), zero())
+        trainable, _ = stacking.split(params, num_frozen_layers)
+        return cls(zero(), params, optimizer.init(trainable), zero(), zero())
 
 
 def split_microbatches(batch: dict, num_microbatches: int) -> dict:
@@ -78,14 +90,32 @@ def train_step(
     schedule: optax.Schedule,
     grad_accum_steps: int,
     nsp_loss_weight: float = 1.0,
+    layer_drop: LayerDrop | None = None,
+    num_frozen_layers: int = 0,
 ) -> tuple[TrainState, dict]:
     """One optimizer step on one global batch. Returns the new state and scalar metrics."""
     mlm_total = jnp.maximum(jnp.sum(batch["masked_lm_weights"].astype(jnp.float32)), 1e-9)
     nsp_total = jnp.float32(batch["input_ids"].shape[0])
     step_rng = jax.random.fold_in(rng, state.step)
+    trainable, frozen = stacking.split(state.params, num_frozen_layers)
+    stat_keys = STAT_KEYS + (("layers_run_sum",) if layer_drop else ())
 
-    def loss_fn(params, microbatch, dropout_rng):
-        stats = bert.pretraining_stats(model_config, params, microbatch, dropout_rng=dropout_rng)
+    def loss_fn(trainable, microbatch, microbatch_rng):
+        layers = {}
+        if layer_drop is not None:  # its own stream: dropout keys stay those of the baseline
+            pld_rng = jax.random.fold_in(microbatch_rng, _LAYER_DROP_STREAM)
+            keep, scale = layer_drop.sample(pld_rng, state.step, model_config.num_layers)
+            layers = {"layer_keep": keep, "layer_scale": scale}
+        stats = bert.pretraining_stats(
+            model_config,
+            stacking.merge(trainable, frozen),
+            microbatch,
+            dropout_rng=microbatch_rng,
+            num_frozen_layers=num_frozen_layers,
+            **layers,
+        )
+        if layer_drop is not None:
+            stats["layers_run_sum"] = jnp.sum(layers["layer_keep"].astype(jnp.float32))
         loss = stats["mlm_loss_sum"] / mlm_total + nsp_loss_weight * (
             stats["nsp_loss_sum"] / nsp_total
         )
@@ -94,16 +124,16 @@ def train_step(
     grad_fn = jax.grad(loss_fn, has_aux=True)
 
     if grad_accum_steps == 1:
-        grads, stats = grad_fn(state.params, batch, jax.random.fold_in(step_rng, 0))
+        grads, stats = grad_fn(trainable, batch, jax.random.fold_in(step_rng, 0))
     else:
 
         def accumulate(carry, xs):
             microbatch, index = xs
-            grads, stats = grad_fn(state.params, microbatch, jax.random.fold_in(step_rng, index))
+            grads, stats = grad_fn(trainable, microbatch, jax.random.fold_in(step_rng, index))
             return jax.tree.map(jnp.add, carry, (grads, stats)), None
 
         zeros = jax.tree.map(
-            jnp.zeros_like, (state.params, {k: jnp.zeros((), jnp.float32) for k in STAT_KEYS})
+            jnp.zeros_like, (trainable, {k: jnp.zeros((), jnp.float32) for k in stat_keys})
         )
         xs = (split_microbatches(batch, grad_accum_steps), jnp.arange(grad_accum_steps))
         (grads, stats), _ = jax.lax.scan(accumulate, zeros, xs)
@@ -114,8 +144,9 @@ def train_step(
     finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
 
     def apply_update(_):
-        updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
-        return optax.apply_updates(state.params, updates), opt_state, optax.global_norm(updates)
+        updates, opt_state = optimizer.update(grads, state.opt_state, trainable)
+        params = stacking.merge(optax.apply_updates(trainable, updates), frozen)
+        return params, opt_state, optax.global_norm(updates)
 
     def skip_update(_):
         return state.params, state.opt_state, jnp.zeros((), jnp.float32)
@@ -138,8 +169,15 @@ def train_step(
         param_norm=optax.global_norm(state.params),
         nonfinite=(~finite).astype(jnp.float32),
     )
+    if layer_drop is not None:
+        metrics["pld_theta"] = layer_drop.theta(state.step)
+        metrics["pld_layers_run"] = stats["layers_run_sum"] / grad_accum_steps
     metrics.update(trust_ratio_metrics(new_opt_state))
     return new_state, metrics
+
+
+# fold_in constant separating PLD's draws from the dropout keys of the same micro-batch.
+_LAYER_DROP_STREAM = 0x504C44
 
 
 def trust_ratio_metrics(opt_state) -> dict:

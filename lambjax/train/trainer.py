@@ -24,11 +24,12 @@ from jax.sharding import NamedSharding
 from lambjax import data as data_lib
 from lambjax import optim, sharding
 from lambjax.models import bert
-from lambjax.train import checkpointing
+from lambjax.train import checkpointing, stacking
 from lambjax.train import config as config_lib
 from lambjax.train import metrics as metrics_lib
 from lambjax.train import optimizer as optimizer_lib
 from lambjax.train import step as step_lib
+from lambjax.train.layer_drop import LayerDrop
 
 
 class TrainingStopped(RuntimeError):
@@ -71,6 +72,8 @@ class Phase:
     mesh: jax.sharding.Mesh
     schedule: optax.Schedule
     optimizer: optax.GradientTransformation
+    num_frozen_layers: int  # bottom layers not trained in this phase (a stage of MSLT)
+    layer_drop: LayerDrop | None  # progressive layer dropping, when enabled
 
 
 def train_and_evaluate(config, workdir: str) -> dict:
@@ -98,7 +101,7 @@ def train_and_evaluate(config, workdir: str) -> dict:
 def build_phase(config, name: str, index: int, step_offset: int) -> Phase:
     phase_config = config.phases[name]
     prepared = prepare_data(config.data, phase_config.max_seq_length)
-    model_config = config_lib.model_config(config, prepared.vocab_size)
+    model_config = config_lib.model_config(config, prepared.vocab_size, name)
     if phase_config.max_seq_length > model_config.max_position_embeddings:
         raise config_lib.ConfigError(
             f"config.phases.{name}.max_seq_length={phase_config.max_seq_length} exceeds the "
@@ -107,8 +110,23 @@ def build_phase(config, name: str, index: int, step_offset: int) -> Phase:
     schedule = optimizer_lib.learning_rate_schedule(phase_config)
     optimizer = optimizer_lib.make_optimizer(config_lib.phase_optimizer(config, name), schedule)
     mesh = sharding.make_mesh(config_lib.phase_mesh(config, name))
+    layer_drop = None
+    if config.layer_drop.enabled:
+        layer_drop = LayerDrop(
+            config.layer_drop.theta_bar, config.layer_drop.gamma, step_offset=step_offset
+        )
     return Phase(
-        name, index, phase_config, step_offset, prepared, model_config, mesh, schedule, optimizer
+        name,
+        index,
+        phase_config,
+        step_offset,
+        prepared,
+        model_config,
+        mesh,
+        schedule,
+        optimizer,
+        num_frozen_layers=phase_config.frozen_layers,
+        layer_drop=layer_drop,
     )
 
 
@@ -137,12 +155,17 @@ def state_shardings(phase: Phase, abstract_state: step_lib.TrainState):
         # Moments mirror their parameter; anything else there (e.g. per-layer ratios) is small.
         return param_sharding if leaf.shape == param.shape else replicated
 
+    # The optimizer state covers the trainable view only (all parameters, but in an MSLT
+    # stage). Cutting layers off a stacked leaf keeps its sharding: `layers` is not sharded.
+    n = phase.num_frozen_layers
+    trainable_params = jax.eval_shape(lambda p: stacking.split(p, n)[0], abstract_state.params)
+    trainable_shardings, _ = stacking.split(param_shardings, n, take=lambda s, _: s)
     opt_shardings = optax.tree_map_params(
         phase.optimizer,
         like_param,
         abstract_state.opt_state,
-        abstract_state.params,
-        param_shardings,
+        trainable_params,
+        trainable_shardings,
         transform_non_params=lambda _: replicated,
     )
     return step_lib.TrainState(
@@ -157,7 +180,7 @@ def state_shardings(phase: Phase, abstract_state: step_lib.TrainState):
 def abstract_train_state(phase: Phase):
     def init(rng):
         return step_lib.TrainState.create(
-            bert.init_params(phase.model_config, rng), phase.optimizer
+            bert.init_params(phase.model_config, rng), phase.optimizer, phase.num_frozen_layers
         )
 
     abstract = jax.eval_shape(init, jax.random.key(0))
@@ -186,16 +209,25 @@ def initial_state(config, workdir: str, phase: Phase, ckpt: checkpointing.PhaseC
 
 
 def from_previous_phase(config, workdir, phase: Phase, previous: str, target, shardings):
-    """Phase transition: parameters always; moments kept (step count restarted) or reset."""
+    """Phase transition: parameters always; moments kept (step count restarted) or reset.
+
+    A deeper phase (the next stage of multi-stage layerwise training) grows the encoder by
+    copying the previous phase's top layers; its optimizer state is always fresh (validated).
+    """
     previous_config = config.phases[previous]
     if phase.config.optimizer_state == "keep":
-        previous_target = target
-    else:  # the previous optimizer's state may have another structure
+        previous_target = target  # same optimizer, depth and frozen layers (validated)
+    else:  # the previous phase's state may have another structure and depth
         previous_optimizer = optimizer_lib.make_optimizer(
             config_lib.phase_optimizer(config, previous),
             optimizer_lib.learning_rate_schedule(previous_config),
         )
-        previous_phase = dataclasses.replace(phase, optimizer=previous_optimizer)
+        previous_phase = dataclasses.replace(
+            phase,
+            optimizer=previous_optimizer,
+            model_config=config_lib.model_config(config, phase.model_config.vocab_size, previous),
+            num_frozen_layers=previous_config.frozen_layers,
+        )
         _, abstract, previous_shardings = abstract_train_state(previous_phase)
         previous_target = checkpointing.abstract_with_shardings(abstract, previous_shardings)
     previous_ckpt = checkpointing.PhaseCheckpoints(
@@ -209,17 +241,28 @@ def from_previous_phase(config, workdir, phase: Phase, previous: str, target, sh
             f"{previous_config.num_steps}), which is missing under "
             f"{checkpointing.checkpoint_dir(workdir, previous)}"
         )
+    params = restored.state.params
+    depth = jax.tree.leaves(params["encoder"]["layers"])[0].shape[0]
     logging.info(
-        "Phase %s: starting from phase %s's final state (optimizer state: %s)",
+        "Phase %s: starting from phase %s's final state (%d -> %d layers, %d frozen; "
+        "optimizer state: %s)",
         phase.name,
         previous,
+        depth,
+        phase.model_config.num_layers,
+        phase.num_frozen_layers,
         phase.config.optimizer_state,
     )
-    params = restored.state.params
+    if depth < phase.model_config.num_layers:
+        previous_model = dataclasses.replace(phase.model_config, num_layers=depth)
+        _, params = bert.grow_layers(previous_model, params, phase.model_config.num_layers)
+        params = jax.device_put(params, shardings.params)
     if phase.config.optimizer_state == "keep":
         opt_state = optim.restart_step_count(restored.state.opt_state)
     else:
-        opt_state = jax.jit(phase.optimizer.init, out_shardings=shardings.opt_state)(params)
+        n = phase.num_frozen_layers
+        init = lambda p: phase.optimizer.init(stacking.split(p, n)[0])  # noqa: E731
+        opt_state = jax.jit(init, out_shardings=shardings.opt_state)(params)
     state = step_lib.TrainState(
         step=jnp.zeros((), jnp.int32),
         params=params,
@@ -263,6 +306,8 @@ def run_phase(config, workdir, phase: Phase, writer, stop: StopRequest):
             schedule=phase.schedule,
             grad_accum_steps=phase_config.grad_accum_steps,
             nsp_loss_weight=1.0 if config.data.next_sentence_prediction else 0.0,
+            layer_drop=phase.layer_drop,
+            num_frozen_layers=phase.num_frozen_layers,
         ),
         in_shardings=(shardings, batch_sharding, replicated),
         out_shardings=(shardings, replicated),
@@ -377,6 +422,7 @@ class Throughput:
             phase_config.global_batch_size,
             phase_config.max_seq_length,
             phase_config.max_predictions_per_seq,
+            num_frozen_layers=phase.num_frozen_layers,
         )
         peak = metrics_lib.peak_flops_per_device(config.peak_flops_per_device)
         self._peak = peak * jax.device_count() if peak else None

@@ -1,0 +1,63 @@
+"""Progressive layer dropping (PLD; Zhang & He, NeurIPS 2020), as used by the train step.
+
+Every optimizer step t has a global keep probability
+
+    theta(t) = (1 - theta_bar) * exp(-gamma * t) + theta_bar          (theta(0) = 1)
+
+and layer l = 1..L of the encoder is kept with probability
+
+    p_l(t) = 1 - (l / L) * (1 - theta(t))                               (lower layers more often)
+
+One Bernoulli draw per layer and forward pass (so per micro-batch, shared by all its
+examples). A dropped layer is skipped (`lax.cond` in the layer scan: no forward and no
+backward compute) and is exactly the identity; a kept layer's two sub-layer outputs are
+scaled by 1/p_l (PreLN switchable blocks: see `lambjax.models.bert.Layer`). The draws come
+from the step's key, which every host derives from the seed and the step alone, so all
+replicas drop the same layers. Evaluation runs every layer, unscaled.
+
+References:
+  Zhang & He, "Accelerating Training of Transformer-Based Language Models with Progressive
+  Layer Dropping", 2020 (arXiv 2010.13369).
+"""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerDrop:
+    """PLD's schedule. Hashable: the trainer passes it to the jitted step as a constant.
+
+    Attributes:
+      theta_bar: the keep probability theta approaches (the paper: 0.5 to 0.9).
+      gamma: how fast theta decays from 1 (the authors' default 0.001; heuristic 100 / T).
+      step_offset: optimizer steps taken before this phase, so theta continues across phases.
+    """
+
+    theta_bar: float = 0.5
+    gamma: float = 0.001
+    step_offset: int = 0
+
+    def __post_init__(self):
+        if not 0.0 < self.theta_bar <= 1.0:
+            raise ValueError(f"PLD theta_bar={self.theta_bar} must lie in (0, 1]")
+        if self.gamma < 0:
+            raise ValueError(f"PLD gamma={self.gamma} must be >= 0")
+
+    def theta(self, step) -> jax.Array:
+        """theta(t) at the phase's optimizer step `step` (t = step_offset + step)."""
+        t = jnp.asarray(step, jnp.float32) + self.step_offset
+        return (1.0 - self.theta_bar) * jnp.exp(-self.gamma * t) + self.theta_bar
+
+    def keep_probabilities(self, step, num_layers: int) -> jax.Array:
+        """p_l(t) for l = 1..num_layers, float32 [num_layers]."""
+        depth = jnp.arange(1, num_layers + 1, dtype=jnp.float32) / num_layers
+        return 1.0 - depth * (1.0 - self.theta(step))
+
+    def sample(self, rng: jax.Array, step, num_layers: int) -> tuple[jax.Array, jax.Array]:
+        """(keep [L] bool, scale [L] float32 = 1/p_l) for one forward pass."""
+        probabilities = self.keep_probabilities(step, num_layers)
+        keep = jax.random.uniform(rng, (num_layers,)) < probabilities
+        return keep, 1.0 / probabilities

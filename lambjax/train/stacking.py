@@ -1,0 +1,67 @@
+"""Multi-stage layerwise training (MSLT, "progressive stacking 2.0"): what a stage trains.
+
+A stage is a phase with its own encoder depth (`phases.NAME.num_layers`) and a number of
+bottom layers that only run forward (`phases.NAME.frozen_layers`). Going into a deeper stage
+copies the current top layers on top (`lambjax.models.bert.grow_layers`); the layers of the
+earlier stages become frozen.
+
+With `frozen_layers = n > 0` the *trainable view* of the parameters is
+
+    {"encoder": {"layers": layers[n:], "final_layer_norm"}, "heads": ...}
+
+and the frozen part is the embeddings and layers[:n]. The train step differentiates with
+respect to the trainable view only, so no backward pass runs through the frozen layers
+(they sit under `stop_gradient` in the model, and nothing asks for their gradients), and the
+optimizer state exists only for the trainable view. The embeddings are frozen with the
+layers above them: training them would need the backward pass through every frozen layer.
+The MLM decoder is tied to the word embeddings, so it is frozen too; the heads' transform,
+LayerNorm and bias, the pooler and the NSP classifier train in every stage.
+
+With n = 0 the trainable view is the whole tree and nothing is split.
+
+References:
+  Yang et al., "Progressively Stacking 2.0: A Multi-stage Layerwise Training Method for BERT
+  Training Speedup", 2020 (arXiv 2011.13635).
+"""
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+
+def _take_layers(x, index: slice):
+    return x[index]
+
+
+def _concatenate_layers(frozen, trainable):
+    return jnp.concatenate([frozen, trainable], axis=0)
+
+
+def split(
+    tree: dict, num_frozen_layers: int, take: Callable[[Any, slice], Any] = _take_layers
+) -> tuple[dict, dict | None]:
+    """(trainable view, frozen part) of a params-shaped tree; (tree, None) when n = 0.
+
+    `take(leaf, slice)` cuts a stacked-layers leaf; pass another for trees whose leaves are
+    not arrays (e.g. shardings: `lambda s, _: s`).
+    """
+    n = num_frozen_layers
+    if n == 0:
+        return tree, None
+    encoder = tree["encoder"]
+    trainable_encoder = {k: v for k, v in encoder.items() if k != "layers"}
+    trainable_encoder["layers"] = jax.tree.map(lambda x: take(x, slice(n, None)), encoder["layers"])
+    trainable = {"encoder": trainable_encoder, "heads": tree["heads"]}
+    frozen_layers = jax.tree.map(lambda x: take(x, slice(0, n)), encoder["layers"])
+    return trainable, {"embeddings": tree["embeddings"], "layers": frozen_layers}
+
+
+def merge(trainable: dict, frozen: dict | None, concatenate=_concatenate_layers) -> dict:
+    """The full parameter tree again (the inverse of `split`)."""
+    if frozen is None:
+        return trainable
+    layers = jax.tree.map(concatenate, frozen["layers"], trainable["encoder"]["layers"])
+    encoder = {**trainable["encoder"], "layers": layers}
+    return {"embeddings": frozen["embeddings"], "encoder": encoder, "heads": trainable["heads"]}
