@@ -19,15 +19,49 @@ def load(path, variant=None):
 
 
 @pytest.mark.parametrize("path", CONFIG_FILES, ids=os.path.basename)
-@pytest.mark.parametrize("variant", [None, "runlocal"])
-def test_every_config_and_its_runlocal_variant_validates(path, variant):
+@pytest.mark.parametrize(
+    "variant", [None, "runlocal", "pld", "mslt", "pld,runlocal", "mslt,runlocal"]
+)
+def test_every_config_and_its_variants_validate(path, variant):
     config = load(path, variant)
     # The recipes need a pod; their runlocal forms must fit this machine's 8 fake devices.
-    num_devices = 8 if variant == "runlocal" or "default" in path else 256
+    num_devices = 8 if "runlocal" in (variant or "") or "default" in path else 256
     config_lib.validate(config, num_devices=num_devices)
-    assert config.phase_order == ("phase1", "phase2")
-    assert config.phases.phase1.max_seq_length == 128
+    if variant and "mslt" in variant:
+        assert config.phase_order[-1] == "phase2" and len(config.phase_order) >= 3
+    else:
+        assert config.phase_order == ("phase1", "phase2")
+    assert config.phases[config.phase_order[0]].max_seq_length == 128
     assert config.phases.phase2.max_seq_length == 512
+    assert config.layer_drop.enabled == ("pld" in (variant or ""))
+
+
+def test_mslt_stages_of_the_recipes():
+    base = load(os.path.join(CONFIG_DIR, "bert_base_lamb.py"), "mslt")
+    stages = [base.phases[name] for name in base.phase_order]
+    assert [(s.num_layers, s.frozen_layers) for s in stages] == [
+        (3, 0),
+        (6, 3),
+        (12, 6),
+        (None, 0),  # phase 2: the model's 12 layers, all trained
+    ]
+    assert sum(s.num_steps for s in stages[:3]) == 7038
+    assert [s.optimizer_state for s in stages[1:]] == ["reset"] * 3
+    large = load(os.path.join(CONFIG_DIR, "bert_large_lans.py"), "mslt")
+    depths = [large.phases[name].num_layers for name in large.phase_order]
+    assert depths == [6, 12, 18, 24, None]
+
+
+def test_pld_recipe_uses_preln_and_the_papers_settings():
+    config = load(os.path.join(CONFIG_DIR, "bert_base_lamb.py"), "pld")
+    assert config.model.overrides.layer_norm == "pre"
+    assert config.layer_drop.theta_bar == 0.5
+    assert config.layer_drop.gamma == pytest.approx(100 / (7038 + 1563))
+
+
+def test_unknown_variant_names_the_valid_ones():
+    with pytest.raises(config_lib.ConfigError, match=r"\['fast'\].*mslt.*pld.*runlocal"):
+        load(os.path.join(CONFIG_DIR, "default.py"), "runlocal,fast")
 
 
 def test_recipes_match_the_published_numbers():
@@ -78,6 +112,39 @@ def test_bad_phase_configs_name_the_value(change, message):
         config_lib.validate(config, num_devices=8)
 
 
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (dict(frozen_layers=2), r"phase1.frozen_layers=2 must lie in \[0, 2\)"),
+        (dict(num_layers=4), r"phase2 has 2 layers, fewer than the 4"),
+        (dict(num_layers=0), r"num_layers=0 must be a positive integer"),
+    ],
+)
+def test_bad_stage_configs_name_the_value(change, message):
+    with pytest.raises(config_lib.ConfigError, match=message):
+        config_lib.validate(default(**change), num_devices=1)
+
+
+def test_a_stage_that_changes_the_trained_layers_must_reset_the_optimizer():
+    config = default(num_layers=1)
+    with pytest.raises(config_lib.ConfigError, match="phase2.optimizer_state='reset'"):
+        config_lib.validate(config, num_devices=1)
+    config.phases.phase2.optimizer_state = "reset"
+    config_lib.validate(config, num_devices=1)
+
+
+def test_layer_drop_needs_preln_and_valid_settings():
+    config = default()
+    config.layer_drop.enabled = True
+    with pytest.raises(config_lib.ConfigError, match="layer_norm='post'.*overrides.layer_norm=pre"):
+        config_lib.validate(config, num_devices=1)
+    config.model.overrides.layer_norm = "pre"
+    config_lib.validate(config, num_devices=1)
+    config.layer_drop.theta_bar = 0.0
+    with pytest.raises(config_lib.ConfigError, match=r"theta_bar=0.0 must lie in \(0, 1\]"):
+        config_lib.validate(config, num_devices=1)
+
+
 def test_bad_top_level_configs_name_the_value():
     config = default()
     config.optimizer.name = "sgd"
@@ -99,5 +166,5 @@ def test_bad_top_level_configs_name_the_value():
     with pytest.raises(config_lib.ConfigError, match="optimizer_state='keep' needs the same"):
         config_lib.validate(config, num_devices=8)
 
-    with pytest.raises(config_lib.ConfigError, match="unknown config variant 'huge'"):
+    with pytest.raises(config_lib.ConfigError, match=r"unknown config variant\(s\) \['huge'\]"):
         load(CONFIG_FILES[0], "huge")

@@ -1,0 +1,201 @@
+"""Progressive layer dropping and multi-stage layerwise training, at the train-step level."""
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from lambjax.models import bert
+from lambjax.train import stacking
+from lambjax.train import step as step_lib
+from lambjax.train.config import optimizer_config
+from lambjax.train.layer_drop import LayerDrop
+from lambjax.train.optimizer import make_optimizer
+from tests.models.test_bert import _dot_flops
+from tests.train.test_step import random_batch
+
+CONFIG = bert.BertConfig.preset(
+    "tiny", vocab_size=128, num_layers=4, dtype="float32", layer_norm="pre"
+)
+
+
+@functools.cache
+def optimizer(name):
+    return make_optimizer(optimizer_config(name), optax.constant_schedule(1e-3))
+
+
+def run_steps(name="lamb", steps=3, accum=2, **step_kwargs):
+    step = jax.jit(
+        functools.partial(
+            step_lib.train_step,
+            model_config=CONFIG,
+            optimizer=optimizer(name),
+            schedule=optax.constant_schedule(1e-3),
+            grad_accum_steps=accum,
+            **step_kwargs,
+        )
+    )
+    params = bert.init_params(CONFIG, jax.random.key(0))
+    frozen = step_kwargs.get("num_frozen_layers", 0)
+    state = step_lib.TrainState.create(params, optimizer(name), frozen)
+    history = []
+    for index in range(steps):
+        state, metrics = step(state, random_batch(index), jax.random.key(1))
+        history.append(jax.device_get(metrics))
+    return params, state, history
+
+
+def assert_trees_equal(a, b):
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+        np.testing.assert_array_equal(x, y)
+
+
+# ----------------------------------------------------------------------------------------
+# Progressive layer dropping
+
+
+def test_keep_probabilities_follow_the_schedule():
+    drop = LayerDrop(theta_bar=0.6, gamma=0.01, step_offset=100)
+    for step in [0, 1, 50, 400]:
+        t = step + 100
+        theta = (1 - 0.6) * np.exp(-0.01 * t) + 0.6
+        np.testing.assert_allclose(drop.theta(step), theta, rtol=1e-6)
+        expected = 1 - np.arange(1, 13) / 12 * (1 - theta)
+        np.testing.assert_allclose(drop.keep_probabilities(step, 12), expected, rtol=1e-6)
+    assert float(LayerDrop(0.5, 0.001).theta(0)) == 1.0  # theta(0) = 1: nothing dropped
+    np.testing.assert_allclose(LayerDrop(0.5, 0.001).theta(10**7), 0.5)  # -> theta_bar
+
+
+def test_layers_are_kept_at_their_probabilities_and_scaled_by_their_inverse():
+    drop = LayerDrop(theta_bar=0.5, gamma=1.0)
+    keys = jax.random.split(jax.random.key(0), 4000)
+    keep, scale = jax.vmap(lambda k: drop.sample(k, 50, 4))(keys)
+    expected = 1 - np.arange(1, 5) / 4 * 0.5  # theta(50) = 0.5 to float32 precision
+    np.testing.assert_allclose(keep.mean(0), expected, atol=0.03)
+    np.testing.assert_allclose(scale[0], 1 / expected, rtol=1e-6)
+
+
+@pytest.mark.parametrize("bad", [dict(theta_bar=0.0), dict(theta_bar=1.5), dict(gamma=-1.0)])
+def test_bad_layer_drop_settings_are_refused(bad):
+    with pytest.raises(ValueError, match=next(iter(bad))):
+        LayerDrop(**bad)
+
+
+def test_theta_one_gives_the_baseline_bit_for_bit():
+    _, baseline, baseline_metrics = run_steps()
+    _, always_kept, metrics = run_steps(layer_drop=LayerDrop(theta_bar=1.0, gamma=0.5))
+    assert_trees_equal(baseline.params, always_kept.params)
+    assert_trees_equal(baseline.opt_state, always_kept.opt_state)
+    assert [m["loss"] for m in baseline_metrics] == [m["loss"] for m in metrics]
+    assert all(m["pld_layers_run"] == CONFIG.num_layers for m in metrics)
+
+
+@pytest.mark.parametrize("name", ["lamb", "lans"])
+def test_dropping_trains_with_accumulation_and_both_optimizers(name):
+    _, state, metrics = run_steps(name, steps=4, layer_drop=LayerDrop(theta_bar=0.5, gamma=2.0))
+    layers_run = [m["pld_layers_run"] for m in metrics]
+    assert layers_run[0] == CONFIG.num_layers  # theta(0) = 1
+    assert min(layers_run[1:]) < CONFIG.num_layers  # later steps skip some layers
+    assert all(np.isfinite(m["loss"]) and m["nonfinite"] == 0 for m in metrics)
+    np.testing.assert_allclose(metrics[-1]["pld_theta"], 0.5 + 0.5 * np.exp(-6.0), rtol=1e-6)
+    assert all(np.isfinite(x).all() for x in jax.tree.leaves(state.params))
+
+
+def test_dropping_gives_the_same_step_on_8_sharded_devices():
+    """The keep draws depend on the step's key only, so every replica drops the same layers."""
+    from lambjax import sharding
+
+    drop = LayerDrop(theta_bar=0.5, gamma=2.0)
+    _, single, single_metrics = run_steps(steps=3, layer_drop=drop)
+    mesh = sharding.make_mesh({"data": 4, "fsdp": 2, "tensor": 1})
+    params = bert.init_params(CONFIG, jax.random.key(0))
+    state = step_lib.TrainState.create(params, optimizer("lamb"))
+    param_shardings = sharding.tree_shardings(params, bert.param_logical_axes(CONFIG), mesh)
+    state = state.replace(params=jax.device_put(state.params, param_shardings))
+    step = jax.jit(
+        functools.partial(
+            step_lib.train_step,
+            model_config=CONFIG,
+            optimizer=optimizer("lamb"),
+            schedule=optax.constant_schedule(1e-3),
+            grad_accum_steps=2,
+            layer_drop=drop,
+        )
+    )
+    for index in range(3):
+        batch = jax.device_put(random_batch(index), sharding.batch_sharding(mesh))
+        state, metrics = step(state, batch, jax.random.key(1))
+        assert metrics["pld_layers_run"] == single_metrics[index]["pld_layers_run"]
+        np.testing.assert_allclose(metrics["loss"], single_metrics[index]["loss"], rtol=1e-5)
+    for x, y in zip(jax.tree.leaves(state.params), jax.tree.leaves(single.params), strict=True):
+        np.testing.assert_allclose(x, y, rtol=1e-4, atol=1e-6)
+
+
+# ----------------------------------------------------------------------------------------
+# Multi-stage layerwise training
+
+
+def test_split_and_merge_are_inverse():
+    params = bert.init_params(CONFIG, jax.random.key(0))
+    trainable, frozen = stacking.split(params, 3)
+    assert "embeddings" not in trainable
+    assert jax.tree.leaves(trainable["encoder"]["layers"])[0].shape[0] == 1
+    assert_trees_equal(stacking.merge(trainable, frozen), params)
+    assert stacking.split(params, 0) == (params, None)
+
+
+def test_frozen_layers_and_embeddings_stay_bit_identical_through_a_stage():
+    params, state, metrics = run_steps(steps=3, num_frozen_layers=2)
+    before, after = params["encoder"]["layers"], state.params["encoder"]["layers"]
+    assert_trees_equal(jax.tree.map(lambda x: x[:2], before), jax.tree.map(lambda x: x[:2], after))
+    assert_trees_equal(params["embeddings"], state.params["embeddings"])
+    changed = [
+        bool(jnp.any(a[2:] != b[2:]))
+        for a, b in zip(*map(jax.tree.leaves, (before, after)), strict=True)
+    ]
+    assert all(changed)
+    assert any(
+        bool(jnp.any(a != b))
+        for a, b in zip(
+            *map(jax.tree.leaves, (params["heads"], state.params["heads"])), strict=True
+        )
+    )
+    assert all(np.isfinite(m["loss"]) for m in metrics)
+
+
+def test_optimizer_state_exists_only_for_the_trained_layers():
+    params = bert.init_params(CONFIG, jax.random.key(0))
+    trainable, _ = stacking.split(params, 3)
+    state = step_lib.TrainState.create(params, optimizer("lans"), num_frozen_layers=3)
+    shapes = lambda tree: [x.shape for x in jax.tree.leaves(tree)]  # noqa: E731
+    assert shapes(state.opt_state) == shapes(optimizer("lans").init(trainable))
+    assert not optax.tree_utils.tree_get_all_with_path(state.opt_state, "embeddings")
+    stacked = optax.tree_utils.tree_get_all_with_path(state.opt_state, "layers")
+    assert stacked and all(x.shape[0] == 1 for _, sub in stacked for x in jax.tree.leaves(sub))
+
+
+def test_no_backward_pass_runs_through_frozen_layers():
+    """The traced matmuls of the gradient: forward everywhere, backward above the frozen."""
+    config = dataclasses.replace(CONFIG, scan_layers=False)
+    params = bert.init_params(config, jax.random.key(0))
+    x = random_batch(0)
+    frozen_count = 3
+    trainable, frozen = stacking.split(params, frozen_count)
+
+    def loss(trainable):
+        merged = stacking.merge(trainable, frozen)
+        stats = bert.pretraining_stats(config, merged, x, num_frozen_layers=frozen_count)
+        return stats["mlm_loss_sum"]
+
+    traced = _dot_flops(jax.make_jaxpr(jax.grad(loss))(trainable).jaxpr)
+    batch, seq, predictions = x["input_ids"].shape + (x["masked_lm_ids"].shape[1],)
+    expected = bert.train_step_flops(
+        config, batch, seq, predictions, num_frozen_layers=frozen_count
+    )
+    full = bert.train_step_flops(config, batch, seq, predictions)
+    assert expected < 0.55 * full  # 3 of 4 layers without their backward
+    assert 0.8 * expected < traced <= expected
