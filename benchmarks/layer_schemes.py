@@ -11,10 +11,12 @@ learning-rate schedule (LAMB, NVIDIA's settings):
   mslt      the `mslt` variant: 3 stages over the first 3/4 of the steps (depth L/4, L/2, L,
             each training only its new layers), then every layer for the last quarter.
 
-Reported: time per sample (the mean train-step time over the run, compilation excluded),
-per MSLT stage too; the held-out MLM loss at the end; and the training time each scheme
-needs to reach the baseline's final held-out MLM loss (evaluations every `--eval-every`
-steps on the same held-out batches; evaluation time is not counted).
+Reported: time per sample (the median logged train-step time, compilation excluded), per
+MSLT stage too; the held-out MLM loss at the end; and the training time each scheme
+needs to reach the baseline's final held-out MLM loss, and the other way round: the time
+the baseline needed to reach each scheme's final loss (evaluations every `--eval-every` steps
+on the same held-out batches; evaluation time is not counted). `--report-only` prints the
+tables again from the runs in `--workdir`.
 """
 
 import argparse
@@ -84,10 +86,10 @@ def schemes(args, data_dir: str) -> dict:
 
 
 def phase_times(records: dict, config) -> dict[str, tuple[int, float]]:
-    """Phase -> (steps, seconds of training), from the logged step times.
+    """Phase -> (steps, seconds of training): steps x the median logged step time.
 
-    A phase's first log window holds its compilation, so it is counted at the phase's
-    median step time instead.
+    The median over the log windows of a phase leaves out its first window (which holds
+    the compilation) and is robust to other work on the machine slowing a few windows.
     """
     out, first = {}, 1
     for name in config.phase_order:
@@ -97,9 +99,7 @@ def phase_times(records: dict, config) -> dict[str, tuple[int, float]]:
             for s in range(first + LOG_EVERY - 1, first + steps, LOG_EVERY)
             if "train/step_time_s" in records.get(s, {})
         ]
-        median = float(np.median(windows))
-        logged = len(windows) * LOG_EVERY
-        out[name] = (steps, sum(windows) * LOG_EVERY + (steps - logged) * median)
+        out[name] = (steps, steps * float(np.median(windows)))
         first += steps
     return out
 
@@ -129,15 +129,30 @@ def main():
     parser.add_argument("--eval-every", type=int, default=20)
     parser.add_argument("--eval-batches", type=int, default=8)
     parser.add_argument("--workdir", default=None, help="default: a temporary directory")
+    parser.add_argument(
+        "--report-only",
+        action="store_true",
+        help="print the tables of the runs already in --workdir (same flags), train nothing",
+    )
     args = parser.parse_args()
     root = args.workdir or tempfile.mkdtemp(prefix="layer_schemes_")
     data_dir = os.path.join(root, "datasets")
     results = {}
     for name, config in schemes(args, data_dir).items():
         workdir = os.path.join(root, name)
-        if os.path.exists(os.path.join(workdir, "metrics.jsonl")):
-            raise SystemExit(f"{workdir} holds an earlier run; pass another --workdir")
-        trainer.train_and_evaluate(config, workdir)
+        finished = os.path.exists(os.path.join(workdir, "metrics.jsonl"))
+        if args.report_only != finished:
+            raise SystemExit(
+                f"{workdir}: "
+                + (
+                    "no run to report"
+                    if args.report_only
+                    else "holds an earlier "
+                    "run; pass another --workdir, or --report-only to print its tables"
+                )
+            )
+        if not args.report_only:
+            trainer.train_and_evaluate(config, workdir)
         results[name] = (config, read_jsonl(os.path.join(workdir, "metrics.jsonl")))
 
     samples = 32
@@ -153,9 +168,9 @@ def main():
     print(f"target: the baseline's final held-out MLM loss, {target:.3f}\n")
     print(
         "| scheme | steps | ms / sample | vs baseline | train time (s) | final held-out MLM "
-        "loss | time to target (s) | speed-up to target |"
+        "loss | time to target (s) | speed-up to target | baseline time to this loss (s) |"
     )
-    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     for name, (config, records) in results.items():
         times = phase_times(records, config)
         steps = sum(s for s, _ in times.values())
@@ -163,6 +178,8 @@ def main():
         ms = seconds / (steps * samples) * 1e3
         reach = time_to_loss(records, config, target)
         reach_text = f"{reach:.1f}" if reach is not None else "not reached"
+        baseline_time = time_to_loss(baseline_records, baseline_config, final_eval[name])
+        baseline_text = f"{baseline_time:.1f}" if baseline_time is not None else "not reached"
         speedup = (
             f"{time_to_loss(baseline_records, baseline_config, target) / reach:.2f}x"
             if reach
@@ -170,7 +187,7 @@ def main():
         )
         print(
             f"| {name} | {steps} | {ms:.2f} | {ms / base_ms:.2f}x | {seconds:.1f} | "
-            f"{final_eval[name]:.3f} | {reach_text} | {speedup} |"
+            f"{final_eval[name]:.3f} | {reach_text} | {speedup} | {baseline_text} |"
         )
     mslt_config, mslt_records = results["mslt"]
     print("\nMSLT stages:\n")
