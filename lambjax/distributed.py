@@ -35,7 +35,7 @@ def initialize(
             )
         if not 0 <= process_id < num_processes:
             raise ValueError(f"--process_id={process_id} must lie in [0, {num_processes})")
-        if _platform() == "cpu":
+        if platform() == "cpu":
             # Cross-process collectives on CPU go through gloo (TCP).
             jax.config.update("jax_cpu_collectives_implementation", "gloo")
         jax.distributed.initialize(coordinator_address, num_processes, process_id)
@@ -46,7 +46,8 @@ def initialize(
     logging.info("jax.distributed: process %d of %d", jax.process_index(), jax.process_count())
 
 
-def _platform() -> str:
+def platform() -> str:
+    """The platform JAX will run on: JAX_PLATFORMS's first entry, else detected."""
     platforms = os.environ.get("JAX_PLATFORMS", "")
     return platforms.split(",")[0] if platforms else "cpu" if not _has_accelerator() else "gpu"
 

@@ -17,7 +17,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # TensorFlow (metric writers
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from lambjax import distributed
+from lambjax import distributed, host_memory
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Experiment config file.")
 _WORKDIR = flags.DEFINE_string("workdir", None, "Directory for checkpoints and metrics.")
@@ -38,6 +38,9 @@ def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
     logging.get_absl_logger().addFilter(quiet_libraries)
+    if distributed.platform() == "cpu":
+        # Before JAX starts its CPU client: XLA:CPU reallocates every temporary per step.
+        host_memory.retain_freed_memory()
     distributed.initialize(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value)
 
     # Imported after distributed initialisation: JAX must not start its backends before it.

@@ -1,6 +1,11 @@
-"""Test-wide set-up: 8 fake CPU devices, so sharding runs as it would on a TPU host."""
+"""Test-wide set-up: 8 fake CPU devices, so sharding runs as it would on a TPU host, and
+malloc keeps freed memory (as `lambjax.main` does on CPU) before JAX starts its threads."""
 
 import os
+
+from lambjax import host_memory
+
+host_memory.retain_freed_memory()
 
 os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
