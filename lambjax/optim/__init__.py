@@ -15,6 +15,7 @@ from lambjax.optim.schedules import poly_warmup_schedule, warmup_constant_decay_
 from lambjax.optim.transforms import (
     ScaleByLansState,
     TrustRatioState,
+    clip_by_global_norm,
     last_trust_ratios,
     normalize_per_tensor,
     restart_step_count,
@@ -27,6 +28,7 @@ __all__ = [
     "ScaleByLansState",
     "TrustRatioState",
     "bert_weight_decay_mask",
+    "clip_by_global_norm",
     "lamb",
     "lans",
     "last_trust_ratios",

@@ -60,7 +60,7 @@ def lamb(
     if weight_decay_mask is not None:
         weight_decay_mask = transforms.checked_mask(weight_decay_mask, "weight_decay_mask")
     return optax.chain(
-        optax.clip_by_global_norm(max_global_norm) if max_global_norm else optax.identity(),
+        transforms.clip_by_global_norm(max_global_norm) if max_global_norm else optax.identity(),
         transforms.scale_by_adam(b1, b2, eps, bias_correction=bias_correction),
         optax.add_decayed_weights(weight_decay, weight_decay_mask)
         if weight_decay

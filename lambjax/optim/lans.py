@@ -32,7 +32,7 @@ def lans(
     """
     check_hyperparameters(learning_rate, b1, b2, eps, weight_decay, max_global_norm)
     return optax.chain(
-        optax.clip_by_global_norm(max_global_norm) if max_global_norm else optax.identity(),
+        transforms.clip_by_global_norm(max_global_norm) if max_global_norm else optax.identity(),
         transforms.normalize_per_tensor(stacked_layers),
         transforms.scale_by_lans(
             b1,

@@ -88,6 +88,28 @@ def _check_bounds(bounds, argument: str):
 
 
 # ----------------------------------------------------------------------------------------
+# Global gradient-norm clipping
+
+
+def clip_by_global_norm(max_norm: float) -> optax.GradientTransformation:
+    """g -> g * min(1, max_norm / ||g||), ||g|| the norm of all leaves together.
+
+    What `optax.clip_by_global_norm` computes, as one multiplication by a scalar: XLA then
+    fuses the clipped gradient into each consumer (the two Adam moments) instead of
+    writing it out (optax divides every element, which XLA:CPU materialises).
+    """
+    if max_norm <= 0:
+        raise ValueError(f"max_norm={max_norm} must be > 0")
+
+    def update_fn(updates, state, params=None):
+        del params
+        scale = jnp.minimum(1.0, max_norm / optax.global_norm(updates))  # 1 for a zero norm
+        return jax.tree.map(lambda g: g * scale.astype(g.dtype), updates), state
+
+    return optax.GradientTransformation(optax.init_empty_state, update_fn)
+
+
+# ----------------------------------------------------------------------------------------
 # Per-tensor gradient normalisation (LANS)
 
 

@@ -19,6 +19,18 @@ def test_normalize_per_tensor_never_nan_and_unit_norm():
     np.testing.assert_allclose(np.linalg.norm(out["layers"], axis=1), [1.0, 1.0], rtol=1e-6)
 
 
+@pytest.mark.parametrize("scale", [0.1, 10.0, 0.0])
+def test_clip_by_global_norm_matches_optax(scale):
+    grads = {"a": jnp.array([3.0, 4.0]) * scale, "layers": jnp.ones((2, 4)) * scale}
+    expected, _ = optax.clip_by_global_norm(1.0).update(grads, optax.EmptyState())
+    out, _ = optim.clip_by_global_norm(1.0).update(grads, optax.EmptyState())
+    for name in grads:
+        np.testing.assert_allclose(out[name], expected[name], rtol=1e-6)
+        assert np.all(np.isfinite(out[name]))
+    with pytest.raises(ValueError, match="max_norm=0"):
+        optim.clip_by_global_norm(0)
+
+
 def test_trust_ratio_mask_bounds_and_zero_guard():
     params = {"w": jnp.full((4,), 3.0), "b": jnp.zeros(2), "skip": jnp.ones(2)}
     updates = {"w": jnp.full((4,), 0.5), "b": jnp.ones(2), "skip": jnp.ones(2) * 7}
