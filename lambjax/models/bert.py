@@ -217,8 +217,11 @@ class Heads(nn.Module):
             (c.vocab_size,),
             c.param_dtype,
         )
-        mlm_logits = jnp.einsum("bpe,ve->bpv", x, word_embeddings.astype(x.dtype))
-        return mlm_logits.astype(jnp.float32) + bias, nsp_logits.astype(jnp.float32)
+        # Vocabulary-major [V, B * P]: the tied embedding's gradient (dlogits x) then needs no
+        # transpose of the logits gradient, and the bias gradient reduces the minor axis.
+        x = x.reshape(-1, x.shape[-1])
+        mlm_logits = jnp.einsum("ve,ne->vn", word_embeddings.astype(x.dtype), x)
+        return mlm_logits.astype(jnp.float32) + bias[:, None], nsp_logits.astype(jnp.float32)
 
 
 class FinalNorm(nn.Module):
@@ -412,8 +415,8 @@ def encode(config: BertConfig, params: dict, input_ids, segment_ids, input_mask)
     return encoder_outputs(config, params, input_ids, segment_ids, input_mask)
 
 
-def pretraining_logits(config: BertConfig, params: dict, batch: dict, **encoder_kwargs):
-    """(MLM logits [B, P, V] at the masked positions, NSP logits [B, 2]), float32."""
+def _vocab_major_logits(config: BertConfig, params: dict, batch: dict, **encoder_kwargs):
+    """(MLM logits [V, B * P] at the masked positions, NSP logits [B, 2]), float32."""
     h = encoder_outputs(
         config,
         params,
@@ -430,6 +433,28 @@ def pretraining_logits(config: BertConfig, params: dict, batch: dict, **encoder_
     )
 
 
+def pretraining_logits(config: BertConfig, params: dict, batch: dict, **encoder_kwargs):
+    """(MLM logits [B, P, V] at the masked positions, NSP logits [B, 2]), float32."""
+    mlm_logits, nsp_logits = _vocab_major_logits(config, params, batch, **encoder_kwargs)
+    shape = batch["masked_lm_positions"].shape + (config.vocab_size,)
+    return mlm_logits.T.reshape(shape), nsp_logits
+
+
+def _cross_entropy(logits, labels, axis: int):
+    """(negative log-likelihood, hit) of integer `labels` under `logits` along `axis`.
+
+    The label's logit is picked with a one-hot compare, not a gather: its gradient is then
+    part of the one elementwise pass softmax - one_hot, where a gather's is a scatter into
+    a zero tensor as large as the logits. A hit is a label whose logit is the largest.
+    """
+    classes = jax.lax.broadcasted_iota(labels.dtype, logits.shape, axis % logits.ndim)
+    one_hot = classes == jnp.expand_dims(labels, axis)
+    label_logits = jnp.sum(jnp.where(one_hot, logits, 0.0), axis=axis)
+    nll = jax.nn.logsumexp(logits, axis=axis) - label_logits
+    hits = label_logits >= jnp.max(logits, axis=axis)
+    return nll, hits.astype(jnp.float32)
+
+
 def pretraining_stats(
     config: BertConfig,
     params: dict,
@@ -444,7 +469,7 @@ def pretraining_stats(
 
     Sums let a caller add micro-batches up exactly and normalise by global counts.
     """
-    mlm_logits, nsp_logits = pretraining_logits(
+    mlm_logits, nsp_logits = _vocab_major_logits(
         config,
         params,
         batch,
@@ -453,22 +478,18 @@ def pretraining_stats(
         layer_scale=layer_scale,
         num_frozen_layers=num_frozen_layers,
     )
-    weights = batch["masked_lm_weights"].astype(jnp.float32)
-    labels = batch["masked_lm_ids"]
-    mlm_log_probs = jax.nn.log_softmax(mlm_logits)
-    mlm_nll = -jnp.take_along_axis(mlm_log_probs, labels[..., None], axis=-1)[..., 0]
-    mlm_hits = (jnp.argmax(mlm_logits, -1) == labels).astype(jnp.float32)
-    nsp_labels = batch["next_sentence_labels"].reshape(-1)
-    nsp_log_probs = jax.nn.log_softmax(nsp_logits)
-    nsp_nll = -jnp.take_along_axis(nsp_log_probs, nsp_labels[:, None], axis=-1)[:, 0]
-    nsp_hits = (jnp.argmax(nsp_logits, -1) == nsp_labels).astype(jnp.float32)
+    weights = batch["masked_lm_weights"].astype(jnp.float32).reshape(-1)
+    mlm_nll, mlm_hits = _cross_entropy(mlm_logits, batch["masked_lm_ids"].reshape(-1), axis=0)
+    nsp_nll, nsp_hits = _cross_entropy(
+        nsp_logits, batch["next_sentence_labels"].reshape(-1), axis=-1
+    )
     return {
         "mlm_loss_sum": jnp.sum(mlm_nll * weights),
         "mlm_weight_sum": jnp.sum(weights),
         "mlm_correct_sum": jnp.sum(mlm_hits * weights),
         "nsp_loss_sum": jnp.sum(nsp_nll),
         "nsp_correct_sum": jnp.sum(nsp_hits),
-        "nsp_count": jnp.float32(nsp_labels.shape[0]),
+        "nsp_count": jnp.float32(nsp_nll.shape[0]),
     }
 
 

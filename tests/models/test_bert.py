@@ -42,6 +42,36 @@ def test_scan_and_unrolled_are_identical(params):
     )
 
 
+def test_losses_and_hits_match_a_float64_log_softmax(params):
+    x = batch(seed=3, b=4, p=5)
+    x["masked_lm_weights"] = x["masked_lm_weights"].at[0, -2:].set(0.0)  # padded predictions
+    x["next_sentence_labels"] = jnp.asarray([0, 1, 1, 0], jnp.int32)
+    mlm, nsp = (np.asarray(a, np.float64) for a in bert.pretraining_logits(CONFIG, params, x))
+    stats = bert.pretraining_stats(CONFIG, params, x)
+
+    def nll_and_hits(logits, labels):
+        shifted = logits - logits.max(-1, keepdims=True)
+        log_probs = shifted - np.log(np.exp(shifted).sum(-1, keepdims=True))
+        nll = -np.take_along_axis(log_probs, labels[..., None], -1)[..., 0]
+        return nll, (np.argmax(logits, -1) == labels).astype(np.float64)
+
+    weights = np.asarray(x["masked_lm_weights"], np.float64)
+    mlm_nll, mlm_hits = nll_and_hits(mlm, np.asarray(x["masked_lm_ids"]))
+    nsp_nll, nsp_hits = nll_and_hits(nsp, np.asarray(x["next_sentence_labels"]))
+    np.testing.assert_allclose(stats["mlm_loss_sum"], np.sum(mlm_nll * weights), rtol=1e-5)
+    np.testing.assert_allclose(stats["mlm_correct_sum"], np.sum(mlm_hits * weights))
+    np.testing.assert_allclose(stats["mlm_weight_sum"], np.sum(weights))
+    np.testing.assert_allclose(stats["nsp_loss_sum"], np.sum(nsp_nll), rtol=1e-5)
+    np.testing.assert_allclose(stats["nsp_correct_sum"], np.sum(nsp_hits))
+
+    # The gradient of the summed loss with respect to the logits is softmax - one_hot.
+    logits = jnp.asarray(mlm[0], jnp.float32)  # [P, V]
+    labels = x["masked_lm_ids"][0]
+    grad = jax.grad(lambda z: jnp.sum(bert._cross_entropy(z.T, labels, axis=0)[0]))(logits)
+    expected = jax.nn.softmax(logits) - jax.nn.one_hot(labels, CONFIG.vocab_size)
+    np.testing.assert_allclose(grad, expected, atol=1e-6)
+
+
 def test_remat_gives_the_same_gradients(params):
     remat = dataclasses.replace(CONFIG, remat=True)
 
