@@ -15,6 +15,9 @@ def get_config(arg=None):
     config.model.preset = "tiny"
     # XLA:CPU runs float32 matmuls faster than bfloat16; on TPU/GPU use "bfloat16".
     config.model.overrides.dtype = "float32"
+    # Two layers: a Python loop over them runs ~10% faster on XLA:CPU than `lax.scan`, and
+    # compiles as fast (scan's compile time matters at depth).
+    config.model.overrides.scan_layers = False
     config.data.source = "embedded"
     config.data.vocab = "train"
     config.data.vocab_size = 4096
