@@ -23,7 +23,6 @@ import ctypes.util
 _M_TRIM_THRESHOLD = -1
 _M_MMAP_MAX = -4
 _M_ARENA_MAX = -8
-_INT_MAX = 2**31 - 1  # mallopt takes a C int
 
 
 def retain_freed_memory() -> bool:
@@ -31,5 +30,6 @@ def retain_freed_memory() -> bool:
     libc = ctypes.CDLL(ctypes.util.find_library("c"))
     if not hasattr(libc, "gnu_get_libc_version"):
         return False
-    settings = ((_M_ARENA_MAX, 1), (_M_MMAP_MAX, 0), (_M_TRIM_THRESHOLD, _INT_MAX))
+    # A trim threshold of -1 disables trimming completely (mallopt(3)).
+    settings = ((_M_ARENA_MAX, 1), (_M_MMAP_MAX, 0), (_M_TRIM_THRESHOLD, -1))
     return all(libc.mallopt(parameter, value) == 1 for parameter, value in settings)
