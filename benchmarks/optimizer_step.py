@@ -1,10 +1,14 @@
 """Optimizer step time on BERT-shaped parameter trees, as ratios to optax.adamw.
 
   python benchmarks/optimizer_step.py [--model base|large|all] [--steps 20]
+      [--host-memory retain|default]
 
 Each optimizer update (with apply_updates) is jitted with the parameters and state donated,
 as in a train step, and timed on random gradients; the median of `--steps` timed steps
-after warm-up is reported. All optimizers are measured in the same run.
+after warm-up is reported. All optimizers are measured in the same run. On CPU, malloc
+keeps freed memory as `lambjax.main` sets it (lambjax.host_memory); `--host-memory=default`
+leaves glibc's defaults, under which every fresh temporary (a trust ratio's update) is
+faulted in again at every step.
 """
 
 import argparse
@@ -16,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from lambjax import optim
+from lambjax import host_memory, optim
 
 SHAPES = {  # (layers, hidden, intermediate, vocab)
     "base": (12, 768, 3072, 30522),
@@ -129,9 +133,15 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", choices=["base", "large", "all"], default="all")
     parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--host-memory", choices=["retain", "default"], default="retain")
     args = parser.parse_args()
+    if args.host_memory == "retain":
+        host_memory.retain_freed_memory()
     models = ["base", "large"] if args.model == "all" else [args.model]
-    print(f"device: {jax.devices()[0].device_kind}, {jax.device_count()} device(s)")
+    print(
+        f"device: {jax.devices()[0].device_kind}, {jax.device_count()} device(s); "
+        f"host memory: {args.host_memory}"
+    )
     for model in models:
         params = bert_shaped_params(model)
         count = sum(x.size for x in jax.tree.leaves(params))
