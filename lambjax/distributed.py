@@ -49,8 +49,8 @@ def initialize(
 def platform() -> str:
     """The platform JAX will run on: JAX_PLATFORMS's first entry, else detected."""
     platforms = os.environ.get("JAX_PLATFORMS", "")
-    return platforms.split(",")[0] if platforms else "cpu" if not _has_accelerator() else "gpu"
-
-
-def _has_accelerator() -> bool:
-    return os.path.exists("/dev/nvidia0") or os.path.exists("/dev/accel0")
+    if platforms:
+        return platforms.split(",")[0]
+    if os.path.exists("/dev/accel0"):
+        return "tpu"
+    return "gpu" if os.path.exists("/dev/nvidia0") else "cpu"
