@@ -1,11 +1,11 @@
 """Progressive layer dropping and multi-stage layerwise training against the plain baseline.
 
   python benchmarks/layer_schemes.py [--steps 240] [--scheme-steps 360] [--layers 8]
-      [--workdir DIR]
+      [--timing-rounds 20] [--workdir DIR] [--report-only]
 
-Trains one PreLN BERT (hidden 128, 2 heads, MLP 512, `--layers` layers, sequence 128,
-batch 32) on the embedded corpus three ways, in this one run, with the same data, seed and
-learning-rate schedule shape (LAMB, NVIDIA's settings):
+Trains one PreLN BERT (hidden 128, 2 heads, MLP 512, `--layers` layers run unrolled,
+sequence 128, batch 32) on the embedded corpus three ways, in this one run, with the same
+data, seed and learning-rate schedule shape (LAMB, NVIDIA's settings):
 
   baseline  every layer, every step, `--steps` steps;
   pld       progressive layer dropping, theta_bar 0.5, gamma 100 / steps (the `pld` variant);
@@ -16,23 +16,35 @@ The two schemes train `--scheme-steps` steps: their steps are cheaper, and the q
 whether they reach the baseline's loss sooner in wall-clock time, which a scheme cut off at
 the baseline's step count cannot show.
 
-Reported: time per sample (the median logged train-step time, compilation excluded), per
-MSLT stage too; the held-out MLM loss at the end; and the training time each scheme
-needs to reach the baseline's final held-out MLM loss, and the other way round: the time
-the baseline needed to reach each scheme's final loss (evaluations every `--eval-every` steps
-on the same held-out batches; evaluation time is not counted). `--report-only` prints the
-tables again from the runs in `--workdir`.
+Time per step is measured after the runs, round-robin: one step of every phase of every
+scheme in turn, `--timing-rounds` times, each built as the trainer builds it, on a real
+batch (PLD at theta_bar, where gamma = 100 / T puts it after the first 2% of steps). The
+runs take minutes each, one after the other, and this VM's speed drifts by 10-20% over
+such spans; interleaving lets the drift fall on every scheme alike.
+
+Reported: time per sample, per MSLT stage too; the held-out MLM loss at the end; the
+training time each scheme needs to reach the baseline's final held-out MLM loss (steps to
+the first evaluation at or below it, times the step time of each phase), and the other way
+round: the time the baseline needs to reach each scheme's final loss (evaluations every
+`--eval-every` steps on the same held-out batches); and, for reference, each run's logged
+wall-clock training time. `--report-only` prints the tables again from the runs in
+`--workdir` (the step times are measured again).
 """
 
 import argparse
+import functools
 import os
 import tempfile
+import time
 
+import jax
 import numpy as np
 
-from lambjax import host_memory
+from lambjax import data, host_memory
+from lambjax.models import bert
 from lambjax.train import config as config_lib
 from lambjax.train import recipes, trainer
+from lambjax.train import step as step_lib
 from lambjax.train.metrics import read_jsonl
 
 LOG_EVERY = 5
@@ -41,8 +53,10 @@ LOG_EVERY = 5
 def base(args, data_dir: str, steps: int):
     config = config_lib.base_config()
     config.model.preset = "tiny"
+    # Layers unrolled: on XLA:CPU an 8-layer H128 step takes 15% less time than under
+    # lax.scan, and a dropped layer's lax.cond costs nothing there (in the scan it costs 7%).
     config.model.overrides.update(
-        {"dtype": "float32", "num_layers": args.layers, "layer_norm": "pre"}
+        {"dtype": "float32", "num_layers": args.layers, "layer_norm": "pre", "scan_layers": False}
     )
     config.data.source = "embedded"
     config.data.vocab_size = 4096
@@ -92,41 +106,79 @@ def schemes(args, data_dir: str) -> dict:
     }
 
 
-def phase_times(records: dict, config) -> dict[str, tuple[int, float]]:
-    """Phase -> (steps, seconds of training): steps x the median logged step time.
+def compiled_step(config, phase: trainer.Phase):
+    """(the phase's jitted train step, a fresh state, one real batch), warmed up."""
+    step = jax.jit(
+        functools.partial(
+            step_lib.train_step,
+            model_config=phase.model_config,
+            optimizer=phase.optimizer,
+            schedule=phase.schedule,
+            grad_accum_steps=phase.config.grad_accum_steps,
+            layer_drop=phase.layer_drop,
+            num_frozen_layers=phase.num_frozen_layers,
+        ),
+        donate_argnums=(0,),
+    )
+    params = bert.init_params(phase.model_config, jax.random.key(config.seed))
+    state = step_lib.TrainState.create(params, phase.optimizer, phase.num_frozen_layers)
+    state = state.replace(step=state.step + phase.config.num_steps)  # PLD: theta at theta_bar
+    batch = next(
+        data.make_iterator(
+            phase.prepared,
+            split="train",
+            global_batch_size=phase.config.global_batch_size,
+            max_predictions_per_seq=phase.config.max_predictions_per_seq,
+            seed=config.seed,
+        )
+    )
+    for _ in range(2):
+        state, _ = step(state, batch, jax.random.key(0))
+    return step, jax.block_until_ready(state), batch
 
-    The median over the log windows of a phase leaves out its first window (which holds
-    the compilation) and is robust to other work on the machine slowing a few windows.
-    """
-    out, first = {}, 1
-    for name in config.phase_order:
-        steps = config.phases[name].num_steps
-        windows = [
-            records[s]["train/step_time_s"]
-            for s in range(first + LOG_EVERY - 1, first + steps, LOG_EVERY)
-            if "train/step_time_s" in records.get(s, {})
-        ]
-        out[name] = (steps, steps * float(np.median(windows)))
-        first += steps
-    return out
+
+def step_seconds(schemes: dict, rounds: int) -> dict[tuple[str, str], float]:
+    """(scheme, phase) -> median seconds of one train step, timed round-robin."""
+    steps = {}
+    for scheme, config in schemes.items():
+        offset = 0
+        for index, name in enumerate(config.phase_order):
+            phase = trainer.build_phase(config, name, index, offset)
+            offset += phase.config.num_steps
+            steps[scheme, name] = compiled_step(config, phase)
+    times = {key: [] for key in steps}
+    for round_index in range(rounds):
+        for key, (step, state, batch) in steps.items():
+            start = time.perf_counter()
+            state, _ = step(state, batch, jax.random.key(round_index))
+            jax.block_until_ready(state)
+            times[key].append(time.perf_counter() - start)
+            steps[key] = (step, state, batch)
+    return {key: float(np.median(seconds)) for key, seconds in times.items()}
 
 
-def time_to_loss(records: dict, config, target: float) -> float | None:
+def seconds_per_step(config, phase_seconds: dict[str, float]) -> list[float]:
+    """The step time of every optimizer step of a run, by the phase it belongs to."""
+    return [
+        phase_seconds[name]
+        for name in config.phase_order
+        for _ in range(config.phases[name].num_steps)
+    ]
+
+
+def time_to_loss(records: dict, per_step: list[float], target: float) -> float | None:
     """Training seconds until the first evaluation at or below `target` (None: never)."""
-    boundaries, first = [], 1
-    for name in config.phase_order:
-        boundaries.append((first, first + config.phases[name].num_steps - 1))
-        first += config.phases[name].num_steps
-    per_step = []
-    for (start, end), (steps, seconds) in zip(
-        boundaries, phase_times(records, config).values(), strict=True
-    ):
-        per_step += [seconds / steps] * (end - start + 1)
     for step in sorted(records):
         loss = records[step].get("eval/mlm_loss")
         if loss is not None and loss <= target:
             return float(np.sum(per_step[:step]))
     return None
+
+
+def logged_seconds(records: dict) -> float:
+    """Wall-clock training time of a run as logged (log windows x their mean step time)."""
+    windows = [r["train/step_time_s"] for r in records.values() if "train/step_time_s" in r]
+    return float(np.sum(windows) * LOG_EVERY)
 
 
 def main():
@@ -136,6 +188,7 @@ def main():
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--eval-every", type=int, default=20)
     parser.add_argument("--eval-batches", type=int, default=8)
+    parser.add_argument("--timing-rounds", type=int, default=20)
     parser.add_argument("--workdir", default=None, help="default: a temporary directory")
     parser.add_argument(
         "--report-only",
@@ -165,50 +218,54 @@ def main():
         results[name] = (config, read_jsonl(os.path.join(workdir, "metrics.jsonl")))
 
     samples = 32
-    baseline_config, baseline_records = results["baseline"]
-    base_steps, base_seconds = phase_times(baseline_records, baseline_config)["phase1"]
-    base_ms = base_seconds / (base_steps * samples) * 1e3
+    configs = {name: config for name, (config, _) in results.items()}
+    phase_seconds = step_seconds(configs, args.timing_rounds)
+    per_step = {
+        name: seconds_per_step(config, {p: phase_seconds[name, p] for p in config.phase_order})
+        for name, config in configs.items()
+    }
+    base_ms = np.mean(per_step["baseline"]) / samples * 1e3
     final_eval = {
         name: [r["eval/mlm_loss"] for _, r in sorted(recs.items()) if "eval/mlm_loss" in r][-1]
         for name, (_, recs) in results.items()
     }
     target = final_eval["baseline"]
+    baseline_records = results["baseline"][1]
+    baseline_to_target = time_to_loss(baseline_records, per_step["baseline"], target)
     print(f"\n{args.layers}-layer PreLN BERT (H128, A2, I512), sequence 128, batch {samples}")
     print(f"target: the baseline's final held-out MLM loss, {target:.3f}\n")
     print(
         "| scheme | steps | ms / sample | vs baseline | train time (s) | final held-out MLM "
-        "loss | time to target (s) | speed-up to target | baseline time to this loss (s) |"
+        "loss | time to target (s) | speed-up to target | baseline time to this loss (s) "
+        "| logged train time (s) |"
     )
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
-    for name, (config, records) in results.items():
-        times = phase_times(records, config)
-        steps = sum(s for s, _ in times.values())
-        seconds = sum(t for _, t in times.values())
-        ms = seconds / (steps * samples) * 1e3
-        reach = time_to_loss(records, config, target)
-        reach_text = f"{reach:.1f}" if reach is not None else "not reached"
-        baseline_time = time_to_loss(baseline_records, baseline_config, final_eval[name])
-        baseline_text = f"{baseline_time:.1f}" if baseline_time is not None else "not reached"
-        speedup = (
-            f"{time_to_loss(baseline_records, baseline_config, target) / reach:.2f}x"
-            if reach
-            else "-"
-        )
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for name, (_, records) in results.items():
+        ms = np.mean(per_step[name]) / samples * 1e3
+        reach = time_to_loss(records, per_step[name], target)
+        baseline_time = time_to_loss(baseline_records, per_step["baseline"], final_eval[name])
         print(
-            f"| {name} | {steps} | {ms:.2f} | {ms / base_ms:.2f}x | {seconds:.1f} | "
-            f"{final_eval[name]:.3f} | {reach_text} | {speedup} | {baseline_text} |"
+            f"| {name} | {len(per_step[name])} | {ms:.2f} | {ms / base_ms:.2f}x | "
+            f"{np.sum(per_step[name]):.1f} | {final_eval[name]:.3f} | "
+            + (
+                f"{reach:.1f} | {baseline_to_target / reach:.2f}x | "
+                if reach
+                else "not reached | - | "
+            )
+            + (f"{baseline_time:.1f}" if baseline_time is not None else "not reached")
+            + f" | {logged_seconds(records):.1f} |"
         )
-    mslt_config, mslt_records = results["mslt"]
+    mslt_config = configs["mslt"]
     print("\nMSLT stages:\n")
     print("| stage | layers (trained) | steps | ms / sample | vs baseline |")
     print("|---|---|---:|---:|---:|")
-    for name, (steps, seconds) in phase_times(mslt_records, mslt_config).items():
+    for name in mslt_config.phase_order:
         phase = mslt_config.phases[name]
         depth = phase.num_layers or args.layers
-        ms = seconds / (steps * samples) * 1e3
+        ms = phase_seconds["mslt", name] / samples * 1e3
         print(
-            f"| {name} | {depth} ({depth - phase.frozen_layers}) | {steps} | {ms:.2f} | "
-            f"{ms / base_ms:.2f}x |"
+            f"| {name} | {depth} ({depth - phase.frozen_layers}) | {phase.num_steps} | "
+            f"{ms:.2f} | {ms / base_ms:.2f}x |"
         )
     pld_records = results["pld"][1]
     run = [r["train/pld_layers_run"] for r in pld_records.values() if "train/pld_layers_run" in r]
