@@ -10,17 +10,31 @@ SPECIAL_TOKENS = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")
 
 
 def train_vocab(documents: list[str], vocab_size: int, lower_case: bool, path: str) -> str:
-    """Trains a WordPiece vocabulary on the documents and writes it to `path` (vocab.txt)."""
+    """Trains a WordPiece vocabulary on the documents and writes it to `path` (vocab.txt).
+
+    The same documents give the same file in every process. `tokenizers`' trainer numbers
+    the continuation symbols (##x) in hash-map order, which changes from process to process,
+    and breaks ties between equally frequent merges by those numbers
+    (huggingface/tokenizers#1794). So a first pass finds the continuation symbols, and the
+    second reserves them, sorted, ahead of everything it learns.
+    """
     if vocab_size < len(SPECIAL_TOKENS) + 100:
         raise DataError(f"config.data.vocab_size={vocab_size} is too small (at least 105)")
+    first = _train(documents, vocab_size, lower_case, SPECIAL_TOKENS)
+    continuation = sorted(token for token in first if token.startswith("##") and len(token) == 3)
+    vocab = _train(documents, vocab_size, lower_case, SPECIAL_TOKENS + tuple(continuation))
+    with open(path, "w", encoding="utf-8") as f:
+        f.writelines(token + "\n" for token in vocab)
+    return path
+
+
+def _train(documents, vocab_size: int, lower_case: bool, reserved: tuple[str, ...]) -> list[str]:
+    """The trained vocabulary's tokens in id order, `reserved` first."""
     tokenizer = tokenizers.BertWordPieceTokenizer(lowercase=lower_case)
     tokenizer.train_from_iterator(
-        documents, vocab_size=vocab_size, special_tokens=list(SPECIAL_TOKENS), min_frequency=2
+        documents, vocab_size=vocab_size, special_tokens=list(reserved), min_frequency=2
     )
-    vocab = sorted(tokenizer.get_vocab().items(), key=lambda item: item[1])
-    with open(path, "w", encoding="utf-8") as f:
-        f.writelines(token + "\n" for token, _ in vocab)
-    return path
+    return [token for token, _ in sorted(tokenizer.get_vocab().items(), key=lambda kv: kv[1])]
 
 
 def load(vocab_file: str, lower_case: bool) -> tokenizers.Tokenizer:

@@ -1,4 +1,6 @@
 import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -283,3 +285,20 @@ def _documents(n):
         ]
         docs.append(" ".join(sentences))
     return "\n\n".join(docs)
+
+
+def test_a_trained_vocabulary_is_the_same_in_every_process(tmp_path):
+    # `tokenizers` alone numbers its ##x symbols in a hash order that changes per process,
+    # and three processes trained three different vocabularies on this corpus.
+    program = (
+        "import sys\n"
+        "from lambjax.data import sources, tokenization\n"
+        "docs, _ = sources.read_documents('embedded')\n"
+        "tokenization.train_vocab(docs, 1024, True, sys.argv[1])\n"
+    )
+    paths = [tmp_path / f"vocab{i}.txt" for i in range(3)]
+    for path in paths:
+        subprocess.run([sys.executable, "-c", program, str(path)], check=True, capture_output=True)
+    first, *others = (path.read_text(encoding="utf-8") for path in paths)
+    assert len(first.splitlines()) == 1024
+    assert all(other == first for other in others)
