@@ -24,7 +24,7 @@ from jax.sharding import NamedSharding
 from lambjax import data as data_lib
 from lambjax import optim, sharding
 from lambjax.models import bert
-from lambjax.train import checkpointing, stacking
+from lambjax.train import checkpointing, peak_flops, stacking
 from lambjax.train import config as config_lib
 from lambjax.train import metrics as metrics_lib
 from lambjax.train import optimizer as optimizer_lib
@@ -424,7 +424,7 @@ class Throughput:
             phase_config.max_predictions_per_seq,
             num_frozen_layers=phase.num_frozen_layers,
         )
-        peak = metrics_lib.peak_flops_per_device(config.peak_flops_per_device)
+        peak = peak_flops.peak_flops_per_device(config.peak_flops_per_device)
         self._peak = peak * jax.device_count() if peak else None
         self._start_step = None
         self._start_time = None
