@@ -6,8 +6,7 @@
 
 One jitted step is what the trainer runs: MLM + NSP forward and backward in bfloat16 with
 float32 parameters, and the optimizer update with NVIDIA's settings, data-parallel over
-all local devices (the batch split over a `data` mesh axis, the state replicated). It
-imports no data or metric packages, so it runs wherever jax, flax and optax do. For each
+all local devices (the batch split over a `data` mesh axis, the state replicated). For each
 layer form and remat setting it prints the median step time, sequences/s, the achieved
 FLOP/s (lambjax's exact matmul count) and MFU against the device's data-sheet bf16 peak
 (lambjax.train.peak_flops; `--peak-tflops` for a device not in its table).
@@ -16,43 +15,18 @@ FLOP/s (lambjax's exact matmul count) and MFU against the device's data-sheet bf
 import argparse
 import functools
 import itertools
-import statistics
-import time
 
 import jax
 import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
-from train_step import random_batch
+from train_step import median_step_seconds, random_batch
 
-from lambjax import optim
 from lambjax.models import bert
 from lambjax.train import step as step_lib
+from lambjax.train.config import optimizer_config
+from lambjax.train.optimizer import make_optimizer
 from lambjax.train.peak_flops import peak_flops_per_device
-
-
-def nvidia_lamb(schedule):
-    return optim.lamb(
-        schedule,
-        weight_decay=0.01,
-        weight_decay_mask=optim.bert_weight_decay_mask,
-        trust_ratio_mask=optim.bert_weight_decay_mask,
-        max_global_norm=1.0,
-        stacked_layers=optim.stacked_layers_mask,
-    )
-
-
-def lans(schedule):
-    return optim.lans(
-        schedule,
-        weight_decay=0.01,
-        weight_decay_mask=optim.bert_weight_decay_mask,
-        max_global_norm=1.0,
-        stacked_layers=optim.stacked_layers_mask,
-    )
-
-
-OPTIMIZERS = {"lamb": nvidia_lamb, "lans": lans}
 
 
 def step_seconds(args, scan_layers: bool, remat: bool) -> float:
@@ -65,7 +39,7 @@ def step_seconds(args, scan_layers: bool, remat: bool) -> float:
         attention_dropout=args.dropout,
     )
     schedule = optax.constant_schedule(1e-3)
-    optimizer = OPTIMIZERS[args.optimizer](schedule)
+    optimizer = make_optimizer(optimizer_config(args.optimizer), schedule)
     mesh = Mesh(np.array(jax.devices()), ("data",))
     replicated = NamedSharding(mesh, PartitionSpec())
     train_step = jax.jit(
@@ -84,17 +58,9 @@ def step_seconds(args, scan_layers: bool, remat: bool) -> float:
     )(jax.random.key(0))
     batch = random_batch(args.batch_per_device * jax.device_count(), args.seq, args.predictions)
     batch = jax.device_put(batch, NamedSharding(mesh, PartitionSpec("data")))
-    rng = jax.random.key(1)
-    for _ in range(2):
-        state, metrics = train_step(state, batch, rng)
-    jax.block_until_ready(metrics)
-    times = []
-    for _ in range(args.steps):
-        start = time.perf_counter()
-        state, metrics = train_step(state, batch, rng)
-        jax.block_until_ready(metrics)
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return median_step_seconds(
+        lambda s, b, r: train_step(s, b, r)[0], state, batch, jax.random.key(1), args.steps
+    )
 
 
 def main():
@@ -103,7 +69,7 @@ def main():
     parser.add_argument("--batch-per-device", type=int, default=64)
     parser.add_argument("--seq", type=int, default=128)
     parser.add_argument("--predictions", type=int, default=20)
-    parser.add_argument("--optimizer", default="lamb", choices=sorted(OPTIMIZERS))
+    parser.add_argument("--optimizer", default="lamb", choices=["lamb", "lans"])
     parser.add_argument("--layers", default="scan,unrolled")
     parser.add_argument("--remat", default="off")
     parser.add_argument("--steps", type=int, default=20)

@@ -32,7 +32,6 @@ wall-clock training time. `--report-only` prints the tables again from the runs 
 """
 
 import argparse
-import functools
 import os
 import tempfile
 import time
@@ -108,18 +107,7 @@ def schemes(args, data_dir: str) -> dict:
 
 def compiled_step(config, phase: trainer.Phase):
     """(the phase's jitted train step, a fresh state, one real batch), warmed up."""
-    step = jax.jit(
-        functools.partial(
-            step_lib.train_step,
-            model_config=phase.model_config,
-            optimizer=phase.optimizer,
-            schedule=phase.schedule,
-            grad_accum_steps=phase.config.grad_accum_steps,
-            layer_drop=phase.layer_drop,
-            num_frozen_layers=phase.num_frozen_layers,
-        ),
-        donate_argnums=(0,),
-    )
+    step = jax.jit(trainer.phase_train_step(config, phase), donate_argnums=(0,))
     params = bert.init_params(phase.model_config, jax.random.key(config.seed))
     state = step_lib.TrainState.create(params, phase.optimizer, phase.num_frozen_layers)
     state = state.replace(step=state.step + phase.config.num_steps)  # PLD: theta at theta_bar

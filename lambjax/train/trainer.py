@@ -130,6 +130,20 @@ def build_phase(config, name: str, index: int, step_offset: int) -> Phase:
     )
 
 
+def phase_train_step(config, phase: Phase):
+    """The phase's train step as a function of (state, batch, rng), its settings bound."""
+    return functools.partial(
+        step_lib.train_step,
+        model_config=phase.model_config,
+        optimizer=phase.optimizer,
+        schedule=phase.schedule,
+        grad_accum_steps=phase.config.grad_accum_steps,
+        nsp_loss_weight=1.0 if config.data.next_sentence_prediction else 0.0,
+        layer_drop=phase.layer_drop,
+        num_frozen_layers=phase.num_frozen_layers,
+    )
+
+
 def prepare_data(data_config, max_seq_length: int) -> data_lib.Prepared:
     """Process 0 builds the dataset (if needed) before the others look for it."""
     if jax.process_index() == 0:
@@ -299,16 +313,7 @@ def run_phase(config, workdir, phase: Phase, writer, stop: StopRequest):
     batch_sharding = sharding.batch_sharding(phase.mesh)
     replicated = sharding.replicated(phase.mesh)
     train_step = jax.jit(
-        functools.partial(
-            step_lib.train_step,
-            model_config=phase.model_config,
-            optimizer=phase.optimizer,
-            schedule=phase.schedule,
-            grad_accum_steps=phase_config.grad_accum_steps,
-            nsp_loss_weight=1.0 if config.data.next_sentence_prediction else 0.0,
-            layer_drop=phase.layer_drop,
-            num_frozen_layers=phase.num_frozen_layers,
-        ),
+        phase_train_step(config, phase),
         in_shardings=(shardings, batch_sharding, replicated),
         out_shardings=(shardings, replicated),
         donate_argnums=(0,),
