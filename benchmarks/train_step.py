@@ -1,18 +1,23 @@
 """Tokens/s of a full BERT pretraining step (MLM + NSP forward, backward, LAMB update),
 lambjax against Hugging Face's Flax BERT with optax.lamb, measured in one run.
 
-  python benchmarks/train_step.py [--models tiny,base] [--steps 10]
+  python benchmarks/train_step.py [--models tiny,base] [--steps 10] [--rounds 5]
 
 The baseline is `FlaxBertForPreTraining` from transformers 4.57.6 (the last release with
 Flax BERT), installed on first use into .venv-hf/ (a --target directory layered over this
-environment's jax/flax) and run in a subprocess, twice: with glibc's default malloc (as it
-runs out of the box) and with the malloc settings lambjax uses on CPU
-(lambjax.host_memory), under which XLA:CPU no longer faults its temporaries in at every
-step. lambjax runs as `lambjax.main` runs it on CPU. Both sides use float32, dropout on,
-batch shapes as below, and jit with donation; the median step time is reported. lambjax's
-tiny model runs its 2 layers unrolled (`scan_layers=False`, as the demo does), base scans
-its 12. Achieved FLOP/s (lambjax's exact matmul count) is printed as a fraction of this
-machine's measured float32 matmul peak.
+environment's jax/flax). It runs twice: with glibc's default malloc (as it runs out of the
+box) and with the malloc settings lambjax uses on CPU (lambjax.host_memory), under which
+XLA:CPU no longer faults its temporaries in at every step. lambjax runs as `lambjax.main`
+runs it on CPU. Both sides use float32, dropout on, batch shapes as below, and jit with
+donation. lambjax's tiny model runs its 2 layers unrolled (`scan_layers=False`, as the demo
+does), base scans its 12.
+
+Each of the three sides compiles and warms up in its own worker process; then the sides
+take turns, `--rounds` rounds of `--steps / --rounds` steps each (the order rotating), so
+that this VM's speed drift (up to 30% between minutes) hits every side alike. The median
+step time over all rounds is reported. Achieved FLOP/s (lambjax's exact matmul count) is
+printed as a fraction of this machine's float32 matmul peak, measured before the workers
+start.
 """
 
 import argparse
@@ -22,6 +27,7 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 
 import numpy as np
@@ -70,7 +76,8 @@ def median_step_seconds(step, state, batch, rng, steps):
     return statistics.median(times)
 
 
-def lambjax_step_seconds(model, steps):
+def lambjax_step(model):
+    """(step, initial state): lambjax's train step as the trainer jits it, on a fixed batch."""
     import jax
     import optax
 
@@ -98,16 +105,12 @@ def lambjax_step_seconds(model, steps):
         jax.random.key(0)
     )
     batch = random_batch(batch_size, seq, predictions)
-    seconds = median_step_seconds(
-        lambda s, b, r: train_step(s, b, r)[0], state, batch, jax.random.key(1), steps
-    )
-    return seconds, bert.train_step_flops(config, batch_size, seq, predictions)
+    rng = jax.random.key(1)
+    return lambda state: train_step(state, batch, rng)[0], state
 
 
-def hf_worker(model, steps, memory):
-    """Runs in the .venv-hf subprocess: HF Flax BERT + optax.lamb, prints JSON."""
-    if memory == "retain":
-        host_memory.retain_freed_memory()
+def hf_step(model):
+    """(step, initial state): HF Flax BERT for pretraining with optax.lamb, on the same batch."""
     import jax
     import jax.numpy as jnp
     import optax
@@ -151,28 +154,105 @@ def hf_worker(model, steps, memory):
         updates, opt_state = optimizer.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state
 
-    state = (hf_model.params, optimizer.init(hf_model.params))
-    seconds = median_step_seconds(step, state, batch, jax.random.key(1), steps)
-    print(json.dumps({"seconds": seconds}))
+    rng = jax.random.key(1)
+    return lambda state: step(state, batch, rng), (hf_model.params, optimizer.init(hf_model.params))
 
 
-def hf_step_seconds(model, steps, memory):
+# name -> (step builder, malloc setting, needs the .venv-hf packages)
+SIDES = {
+    "hf, glibc malloc": (hf_step, "default", True),
+    "hf, lambjax's malloc": (hf_step, "retain", True),
+    "lambjax": (lambjax_step, "retain", False),
+}
+
+
+def worker(side, model):
+    """One side in its own process: compiles and warms up, prints `ready`, then answers each
+    line of stdin (a number of steps) with those steps' seconds as a JSON list."""
+    build, memory, _ = SIDES[side]
+    if memory == "retain":
+        host_memory.retain_freed_memory()  # before JAX starts
+    import jax
+
+    step, state = build(model)
+    for _ in range(2):
+        state = step(state)
+    jax.block_until_ready(state)
+    print("ready", flush=True)
+    for line in sys.stdin:
+        times = []
+        for _ in range(int(line)):
+            start = time.perf_counter()
+            state = step(state)
+            jax.block_until_ready(state)
+            times.append(time.perf_counter() - start)
+        print(json.dumps(times), flush=True)
+
+
+class Worker:
+    """The parent's handle on a worker process."""
+
+    def __init__(self, side, model):
+        env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3")
+        if SIDES[side][2]:
+            env["PYTHONPATH"] = HF_DIR
+        self.side = side
+        self.log = tempfile.TemporaryFile(mode="w+")
+        self.process = subprocess.Popen(
+            [sys.executable, __file__, "--worker", side, "--models", model],
+            env=env,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self.log,
+            text=True,
+        )
+
+    def _answer(self) -> str:
+        line = self.process.stdout.readline()
+        if not line:
+            self.log.seek(0)
+            raise RuntimeError(f"the {self.side!r} worker died:\n{self.log.read()[-3000:]}")
+        return line
+
+    def wait_ready(self):
+        self._answer()
+
+    def time_steps(self, steps: int) -> list[float]:
+        self.process.stdin.write(f"{steps}\n")
+        self.process.stdin.flush()
+        return json.loads(self._answer())
+
+    def close(self):
+        self.process.stdin.close()
+        self.process.wait()
+        self.log.close()
+
+
+def install_hf():
     if not os.path.isdir(os.path.join(HF_DIR, "transformers")):
         subprocess.run(
             [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", HF_DIR]
             + HF_PACKAGES,
             check=True,
         )
-    env = dict(os.environ, PYTHONPATH=HF_DIR, TF_CPP_MIN_LOG_LEVEL="3")
-    out = subprocess.run(
-        [sys.executable, __file__, "--hf-worker", model, "--steps", str(steps)]
-        + ["--host-memory", memory],
-        env=env,
-        capture_output=True,
-        text=True,
-        check=True,
-    )
-    return json.loads(out.stdout.strip().splitlines()[-1])["seconds"]
+
+
+def interleaved_median_seconds(model, steps, rounds) -> dict[str, float]:
+    """Median step seconds of every side, the sides taking turns over `rounds` rounds."""
+    workers = [Worker(side, model) for side in SIDES]
+    try:
+        for w in workers:
+            w.wait_ready()
+        per_round = -(-steps // rounds)
+        times = {w.side: [] for w in workers}
+        for round_index in range(rounds):
+            shift = round_index % len(workers)
+            for w in workers[shift:] + workers[:shift]:
+                times[w.side] += w.time_steps(per_round)
+    finally:
+        for w in workers:
+            w.close()
+    return {side: statistics.median(t) for side, t in times.items()}
 
 
 def matmul_peak_flops():
@@ -197,13 +277,22 @@ def matmul_peak_flops():
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default="tiny,base")
-    parser.add_argument("--steps", type=int, default=10)
-    parser.add_argument("--hf-worker", default=None, help=argparse.SUPPRESS)
-    parser.add_argument("--host-memory", default="retain", help=argparse.SUPPRESS)
+    parser.add_argument("--steps", type=int, default=10, help="timed steps per side")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
-    if args.hf_worker:
-        return hf_worker(args.hf_worker, args.steps, args.host_memory)
+    if args.worker:
+        return worker(args.worker, args.models)
+    for model in args.models.split(","):
+        if model not in SHAPES:
+            parser.error(f"--models={args.models!r}: {model!r} is not one of {sorted(SHAPES)}")
+    for flag, value in (("--steps", args.steps), ("--rounds", args.rounds)):
+        if value < 1:
+            parser.error(f"{flag}={value} must be >= 1")
+    install_hf()
     host_memory.retain_freed_memory()  # before JAX starts: as lambjax.main does on CPU
+    from lambjax.models import bert
+
     peak = matmul_peak_flops()
     print(f"CPU float32 matmul peak (measured): {peak / 1e9:.1f} GFLOP/s")
     print(
@@ -213,14 +302,19 @@ def main():
     )
     print("|---|---|---:|---:|---:|---:|---:|---:|")
     for model in args.models.split(","):
-        _, batch_size, seq, _ = SHAPES[model]
-        ours, flops = lambjax_step_seconds(model, args.steps)
-        theirs = {m: hf_step_seconds(model, args.steps, m) for m in ("default", "retain")}
+        preset, batch_size, seq, predictions = SHAPES[model]
+        flops = bert.train_step_flops(
+            bert.BertConfig.preset(preset, vocab_size=VOCAB), batch_size, seq, predictions
+        )
+        seconds = interleaved_median_seconds(model, args.steps, args.rounds)
+        ours = seconds["lambjax"]
+        hf_default, hf_same = seconds["hf, glibc malloc"], seconds["hf, lambjax's malloc"]
         print(
-            f"| {model} | {batch_size} x {seq} | {theirs['default'] * 1e3:,.0f} | "
-            f"{theirs['retain'] * 1e3:,.0f} | {ours * 1e3:,.0f} | "
-            f"{batch_size * seq / ours:,.0f} | {theirs['default'] / ours:.2f}x / "
-            f"{theirs['retain'] / ours:.2f}x | {flops / ours / peak:.0%} |"
+            f"| {model} | {batch_size} x {seq} | {hf_default * 1e3:,.0f} | "
+            f"{hf_same * 1e3:,.0f} | {ours * 1e3:,.0f} | "
+            f"{batch_size * seq / ours:,.0f} | {hf_default / ours:.2f}x / "
+            f"{hf_same / ours:.2f}x | {flops / ours / peak:.0%} |",
+            flush=True,
         )
 
 
