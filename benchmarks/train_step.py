@@ -61,18 +61,23 @@ def random_batch(batch, seq, predictions, seed=0):
     }
 
 
-def median_step_seconds(step, state, batch, rng, steps):
+def timed_steps(step, state, steps):
+    """(the state after `steps` more steps, each step's seconds, waited for)."""
     import jax
 
-    for _ in range(2):
-        state = step(state, batch, rng)
-    jax.block_until_ready(state)
     times = []
     for _ in range(steps):
         start = time.perf_counter()
-        state = step(state, batch, rng)
+        state = step(state)
         jax.block_until_ready(state)
         times.append(time.perf_counter() - start)
+    return state, times
+
+
+def median_step_seconds(step, state, batch, rng, steps):
+    """Median seconds of `step(state, batch, rng)` over `steps` steps, after two warm-up steps."""
+    state, _ = timed_steps(lambda s: step(s, batch, rng), state, 2)
+    _, times = timed_steps(lambda s: step(s, batch, rng), state, steps)
     return statistics.median(times)
 
 
@@ -172,20 +177,11 @@ def worker(side, model):
     build, memory, _ = SIDES[side]
     if memory == "retain":
         host_memory.retain_freed_memory()  # before JAX starts
-    import jax
-
     step, state = build(model)
-    for _ in range(2):
-        state = step(state)
-    jax.block_until_ready(state)
+    state, _ = timed_steps(step, state, 2)  # compiles and warms up
     print("ready", flush=True)
     for line in sys.stdin:
-        times = []
-        for _ in range(int(line)):
-            start = time.perf_counter()
-            state = step(state)
-            jax.block_until_ready(state)
-            times.append(time.perf_counter() - start)
+        state, times = timed_steps(step, state, int(line))
         print(json.dumps(times), flush=True)
 
 
