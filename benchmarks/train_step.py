@@ -12,12 +12,12 @@ runs it on CPU. Both sides use float32, dropout on, batch shapes as below, and j
 donation. lambjax's tiny model runs its 2 layers unrolled (`scan_layers=False`, as the demo
 does), base scans its 12.
 
-Each of the three sides compiles and warms up in its own worker process; then the sides
-take turns, `--rounds` rounds of `--steps / --rounds` steps each (the order rotating), so
-that this VM's speed drift (up to 30% between minutes) hits every side alike. The median
-step time over all rounds is reported. Achieved FLOP/s (lambjax's exact matmul count) is
-printed as a fraction of this machine's float32 matmul peak, measured before the workers
-start.
+Each of the three sides compiles and warms up in its own worker process; then the sides take
+turns, `--rounds` rounds of `--steps / --rounds` steps each (rounded up; the order
+rotating), so that this VM's speed drift (up to 30% between minutes) hits every side alike.
+The median step time over all rounds is reported. Achieved FLOP/s (lambjax's exact matmul
+count) is printed as a fraction of this machine's float32 matmul peak, measured before the
+workers start.
 """
 
 import argparse
@@ -81,6 +81,15 @@ def median_step_seconds(step, state, batch, rng, steps):
     return statistics.median(times)
 
 
+def lambjax_config(model):
+    """The lambjax BertConfig benchmarked for `model` (float32, its layer form)."""
+    from lambjax.models import bert
+
+    return bert.BertConfig.preset(
+        SHAPES[model][0], vocab_size=VOCAB, dtype="float32", scan_layers=SCAN_LAYERS[model]
+    )
+
+
 def lambjax_step(model):
     """(step, initial state): lambjax's train step as the trainer jits it, on a fixed batch."""
     import jax
@@ -91,10 +100,8 @@ def lambjax_step(model):
     from lambjax.train.config import optimizer_config
     from lambjax.train.optimizer import make_optimizer
 
-    preset, batch_size, seq, predictions = SHAPES[model]
-    config = bert.BertConfig.preset(
-        preset, vocab_size=VOCAB, dtype="float32", scan_layers=SCAN_LAYERS[model]
-    )
+    _, batch_size, seq, predictions = SHAPES[model]
+    config = lambjax_config(model)
     optimizer = make_optimizer(optimizer_config("lamb"), optax.constant_schedule(1e-3))
     train_step = jax.jit(
         functools.partial(
@@ -298,10 +305,8 @@ def main():
     )
     print("|---|---|---:|---:|---:|---:|---:|---:|")
     for model in args.models.split(","):
-        preset, batch_size, seq, predictions = SHAPES[model]
-        flops = bert.train_step_flops(
-            bert.BertConfig.preset(preset, vocab_size=VOCAB), batch_size, seq, predictions
-        )
+        _, batch_size, seq, predictions = SHAPES[model]
+        flops = bert.train_step_flops(lambjax_config(model), batch_size, seq, predictions)
         seconds = interleaved_median_seconds(model, args.steps, args.rounds)
         ours = seconds["lambjax"]
         hf_default, hf_same = seconds["hf, glibc malloc"], seconds["hf, lambjax's malloc"]
