@@ -5,19 +5,21 @@ lambjax against Hugging Face's Flax BERT with optax.lamb, measured in one run.
 
 The baseline is `FlaxBertForPreTraining` from transformers 4.57.6 (the last release with
 Flax BERT), installed on first use into .venv-hf/ (a --target directory layered over this
-environment's jax/flax). It runs twice: with glibc's default malloc (as it runs out of the
-box) and with the malloc settings lambjax uses on CPU (lambjax.host_memory), under which
-XLA:CPU no longer faults its temporaries in at every step. lambjax runs as `lambjax.main`
-runs it on CPU. Both sides use float32, dropout on, batch shapes as below, and jit with
-donation. lambjax's tiny model runs its 2 layers unrolled (`scan_layers=False`, as the demo
-does), base scans its 12.
+environment's jax/flax). It runs three ways: float32 with glibc's default malloc (as it runs
+out of the box), float32 with the malloc settings lambjax uses on CPU (lambjax.host_memory),
+under which XLA:CPU no longer faults its temporaries in at every step, and with its bfloat16
+compute option (`dtype=jnp.bfloat16`) under the same malloc. lambjax runs as `lambjax.main`
+runs it on CPU, in bfloat16 compute (its default; float32 parameters) and in float32. All
+sides use dropout, the batch shapes below, and jit with donation. lambjax's tiny model runs
+its 2 layers unrolled (`scan_layers=False`, as the demo does), base scans its 12.
 
-Each of the three sides compiles and warms up in its own worker process; then the sides take
-turns, `--rounds` rounds of `--steps / --rounds` steps each (rounded up; the order
-rotating), so that this VM's speed drift (up to 30% between minutes) hits every side alike.
-The median step time over all rounds is reported. Achieved FLOP/s (lambjax's exact matmul
-count) is printed as a fraction of this machine's float32 matmul peak, measured before the
-workers start.
+Each side compiles and warms up in its own worker process; then the sides take turns,
+`--rounds` rounds of `--steps / --rounds` steps each (rounded up; the order rotating), so
+that this VM's speed drift (up to 30% between minutes) hits every side alike. The median
+step time over all rounds is reported, and lambjax's bfloat16 step against HF as shipped and
+against HF's fastest form. Achieved FLOP/s (lambjax's exact matmul count) is printed as a
+fraction of this machine's matmul peak in the same precision (float32, or bfloat16 operands
+with float32 accumulation), measured before the workers start.
 """
 
 import argparse
@@ -81,16 +83,16 @@ def median_step_seconds(step, state, batch, rng, steps):
     return statistics.median(times)
 
 
-def lambjax_config(model):
-    """The lambjax BertConfig benchmarked for `model` (float32, its layer form)."""
+def lambjax_config(model, dtype="bfloat16"):
+    """The lambjax BertConfig benchmarked for `model` (compute `dtype`, its layer form)."""
     from lambjax.models import bert
 
     return bert.BertConfig.preset(
-        SHAPES[model][0], vocab_size=VOCAB, dtype="float32", scan_layers=SCAN_LAYERS[model]
+        SHAPES[model][0], vocab_size=VOCAB, dtype=dtype, scan_layers=SCAN_LAYERS[model]
     )
 
 
-def lambjax_step(model):
+def lambjax_step(model, dtype):
     """(step, initial state): lambjax's train step as the trainer jits it, on a fixed batch."""
     import jax
     import optax
@@ -101,7 +103,7 @@ def lambjax_step(model):
     from lambjax.train.optimizer import make_optimizer
 
     _, batch_size, seq, predictions = SHAPES[model]
-    config = lambjax_config(model)
+    config = lambjax_config(model, dtype)
     optimizer = make_optimizer(optimizer_config("lamb"), optax.constant_schedule(1e-3))
     train_step = jax.jit(
         functools.partial(
@@ -121,7 +123,7 @@ def lambjax_step(model):
     return lambda state: train_step(state, batch, rng)[0], state
 
 
-def hf_step(model):
+def hf_step(model, dtype):
     """(step, initial state): HF Flax BERT for pretraining with optax.lamb, on the same batch."""
     import jax
     import jax.numpy as jnp
@@ -137,7 +139,7 @@ def hf_step(model):
         num_attention_heads=sizes[2],
         intermediate_size=sizes[3],
     )
-    hf_model = FlaxBertForPreTraining(config, seed=0)
+    hf_model = FlaxBertForPreTraining(config, seed=0, dtype=jnp.dtype(dtype))
     optimizer = optax.lamb(1e-3, weight_decay=0.01)
     batch = random_batch(batch_size, seq, predictions)
 
@@ -170,21 +172,24 @@ def hf_step(model):
     return lambda state: step(state, batch, rng), (hf_model.params, optimizer.init(hf_model.params))
 
 
-# name -> (step builder, malloc setting, needs the .venv-hf packages)
+# name -> (step builder, compute dtype, malloc setting, needs the .venv-hf packages)
 SIDES = {
-    "hf, glibc malloc": (hf_step, "default", True),
-    "hf, lambjax's malloc": (hf_step, "retain", True),
-    "lambjax": (lambjax_step, "retain", False),
+    "hf float32, glibc malloc": (hf_step, "float32", "default", True),
+    "hf float32": (hf_step, "float32", "retain", True),
+    "hf bfloat16": (hf_step, "bfloat16", "retain", True),
+    "lambjax float32": (lambjax_step, "float32", "retain", False),
+    "lambjax bfloat16": (lambjax_step, "bfloat16", "retain", False),
 }
+HF_SIDES = ("hf float32, glibc malloc", "hf float32", "hf bfloat16")
 
 
 def worker(side, model):
     """One side in its own process: compiles and warms up, prints `ready`, then answers each
     line of stdin (a number of steps) with those steps' seconds as a JSON list."""
-    build, memory, _ = SIDES[side]
+    build, dtype, memory, _ = SIDES[side]
     if memory == "retain":
         host_memory.retain_freed_memory()  # before JAX starts
-    step, state = build(model)
+    step, state = build(model, dtype)
     state, _ = timed_steps(step, state, 2)  # compiles and warms up
     print("ready", flush=True)
     for line in sys.stdin:
@@ -197,7 +202,7 @@ class Worker:
 
     def __init__(self, side, model):
         env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3")
-        if SIDES[side][2]:
+        if SIDES[side][3]:
             env["PYTHONPATH"] = HF_DIR
         self.side = side
         self.log = tempfile.TemporaryFile(mode="w+")
@@ -258,15 +263,16 @@ def interleaved_median_seconds(model, steps, rounds) -> dict[str, float]:
     return {side: statistics.median(t) for side, t in times.items()}
 
 
-def matmul_peak_flops():
-    """float32 matmul FLOP/s of this machine through XLA (the best of a few sizes)."""
+def matmul_peak_flops(dtype):
+    """Matmul FLOP/s of this machine through XLA (the best of a few sizes): float32, or
+    bfloat16 operands accumulated into float32 (the form lambjax's bfloat16 model runs)."""
     import jax
     import jax.numpy as jnp
 
     best = 0.0
     for n in (1024, 2048, 3072):
-        a = jnp.ones((n, n), jnp.float32)
-        f = jax.jit(lambda a, b: a @ b)
+        a = jnp.ones((n, n), dtype)
+        f = jax.jit(lambda a, b: jnp.matmul(a, b, preferred_element_type=jnp.float32))
         f(a, a).block_until_ready()
         times = []
         for _ in range(5):
@@ -296,25 +302,32 @@ def main():
     host_memory.retain_freed_memory()  # before JAX starts: as lambjax.main does on CPU
     from lambjax.models import bert
 
-    peak = matmul_peak_flops()
-    print(f"CPU float32 matmul peak (measured): {peak / 1e9:.1f} GFLOP/s")
+    peaks = {dtype: matmul_peak_flops(dtype) for dtype in ("float32", "bfloat16")}
     print(
-        "| model | batch x seq | HF, default malloc (ms/step) | HF, lambjax's malloc "
-        "(ms/step) | lambjax (ms/step) | lambjax tokens/s | speed-up (vs default / vs same "
-        "malloc) | lambjax FLOP/s / peak |"
+        f"CPU matmul peak (measured): float32 {peaks['float32'] / 1e9:.1f} GFLOP/s, "
+        f"bfloat16 -> float32 {peaks['bfloat16'] / 1e9:.1f} GFLOP/s"
     )
-    print("|---|---|---:|---:|---:|---:|---:|---:|")
+    print(
+        "| model | batch x seq | HF f32, glibc malloc | HF f32 | HF bf16 | lambjax f32 | "
+        "lambjax bf16 | lambjax bf16 tokens/s | speed-up vs HF as shipped / vs HF's fastest "
+        "| FLOP/s / peak: f32 / bf16 |"
+    )
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     for model in args.models.split(","):
         _, batch_size, seq, predictions = SHAPES[model]
         flops = bert.train_step_flops(lambjax_config(model), batch_size, seq, predictions)
         seconds = interleaved_median_seconds(model, args.steps, args.rounds)
-        ours = seconds["lambjax"]
-        hf_default, hf_same = seconds["hf, glibc malloc"], seconds["hf, lambjax's malloc"]
+        ours = seconds["lambjax bfloat16"]
+        as_shipped = seconds["hf float32, glibc malloc"]
+        fastest_hf = min(seconds[side] for side in HF_SIDES)
+        cells = " | ".join(f"{seconds[side] * 1e3:,.0f}" for side in SIDES)
+        utilisation = " / ".join(
+            f"{flops / seconds[f'lambjax {dtype}'] / peaks[dtype]:.0%}"
+            for dtype in ("float32", "bfloat16")
+        )
         print(
-            f"| {model} | {batch_size} x {seq} | {hf_default * 1e3:,.0f} | "
-            f"{hf_same * 1e3:,.0f} | {ours * 1e3:,.0f} | "
-            f"{batch_size * seq / ours:,.0f} | {hf_default / ours:.2f}x / "
-            f"{hf_same / ours:.2f}x | {flops / ours / peak:.0%} |",
+            f"| {model} | {batch_size} x {seq} | {cells} | {batch_size * seq / ours:,.0f} | "
+            f"{as_shipped / ours:.2f}x / {fastest_hf / ours:.2f}x | {utilisation} |",
             flush=True,
         )
 

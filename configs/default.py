@@ -13,7 +13,8 @@ from lambjax.train import recipes
 def get_config(arg=None):
     config = config_lib.base_config()
     config.model.preset = "tiny"
-    # XLA:CPU runs float32 matmuls faster than bfloat16; on TPU/GPU use "bfloat16".
+    # At this width bfloat16 gains nothing on XLA:CPU (a tiny step: 279 ms against 284 ms in
+    # float32); BERT-base runs 1.5x faster in bfloat16 there, and TPU/GPU use "bfloat16".
     config.model.overrides.dtype = "float32"
     # Two layers: a Python loop over them runs ~10% faster on XLA:CPU than `lax.scan`, and
     # compiles as fast (scan's compile time matters at depth).

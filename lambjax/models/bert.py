@@ -23,6 +23,8 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
+from lambjax.models import matmul
+
 PRESETS = {
     "tiny": dict(num_layers=2, hidden_size=128, num_heads=2, intermediate_size=512),
     "mini": dict(num_layers=4, hidden_size=256, num_heads=4, intermediate_size=1024),
@@ -104,6 +106,7 @@ def _dense(config, features, names, name, axis=-1):
         bias_init=nn.with_logical_partitioning(
             nn.initializers.zeros, names[-(len(features) if isinstance(features, tuple) else 1) :]
         ),
+        dot_general=matmul.dense_dot_general,
         name=name,
     )
 
@@ -223,7 +226,7 @@ class Heads(nn.Module):
         # Vocabulary-major [V, B * P]: the tied embedding's gradient (dlogits x) then needs no
         # transpose of the logits gradient, and the bias gradient reduces the minor axis.
         x = x.reshape(-1, x.shape[-1])
-        mlm_logits = jnp.einsum("ve,ne->vn", word_embeddings.astype(x.dtype), x)
+        mlm_logits = matmul.matmul(word_embeddings.astype(x.dtype), x.T)
         return mlm_logits.astype(jnp.float32) + bias[:, None], nsp_logits.astype(jnp.float32)
 
 
