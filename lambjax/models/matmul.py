@@ -10,7 +10,9 @@ than float32. Two more forms fall off that path, and the backward pass avoids bo
 - a left operand contracted on its leading axis (every weight gradient, x^T g): XLA:CPU
   converts both operands to float32 for it. The backward pass transposes x in memory first.
 - a transpose that XLA can fold into the matmul: it folds it, and the matmul is the form
-  above again. `_transpose_copy` splits the rows before transposing, which XLA keeps a copy.
+  above again. `transpose_copy` splits the rows before transposing, which XLA keeps a copy.
+  A right operand that is a transposed view (`x.T`) can also lose the fast path where XLA
+  lays it out column-major (the MLM decoder did): pass `transpose_copy(x)` instead.
 
 On other platforms (GPU, TPU), and in float32, it is a plain `a @ b`.
 """
@@ -21,8 +23,8 @@ import jax
 import jax.numpy as jnp
 
 
-def _transpose_copy(x: jax.Array) -> jax.Array:
-    """x.T [K, M] as a row-major copy that XLA does not fold into the consuming matmul."""
+def transpose_copy(x: jax.Array) -> jax.Array:
+    """x.T [K, M] of a 2-D x, as a row-major copy that XLA does not fold into a matmul."""
     rows, columns = x.shape
     block = next((d for d in (8, 4, 2) if rows % d == 0), None)
     if block is None:  # odd rows: a plain transpose (correct, on XLA:CPU's float32 path)
@@ -48,7 +50,7 @@ def _bf16_cpu_matmul_fwd(a, b):
 def _bf16_cpu_matmul_bwd(residuals, g):
     a, b = residuals
     da = _dot_f32(g, b, 1)  # g [M, N] b^T
-    db = _dot_f32(_transpose_copy(a), g, 0)  # a^T [K, M] g
+    db = _dot_f32(transpose_copy(a), g, 0)  # a^T [K, M] g
     return da.astype(a.dtype), db.astype(b.dtype)
 
 

@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from lambjax.models import matmul
+from lambjax.models import bert, matmul
 
 
 def bf16_values(shape, seed):
@@ -15,13 +15,18 @@ def bf16_values(shape, seed):
     return x, np.asarray(x, np.float64)
 
 
-def dot_operand_types(hlo: str) -> list[tuple[str, str]]:
-    """The element types of every dot's two operands in compiled HLO text."""
+def dot_operand_types(hlo: str, output_dimension: int | None = None) -> list[tuple[str, str]]:
+    """The element types of every dot's two operands in compiled HLO text (only the dots
+    with an output dimension of that size, if given)."""
     found = []
     for computation in hlo.split("\n\n"):  # names are local to a computation
         types = dict(re.findall(r"%([\w.\-]+) = (\w+)\[", computation))
-        for a, b in re.findall(r"\} dot\(%([\w.\-]+), %([\w.\-]+)\)", computation):
-            found.append((types[a], types[b]))
+        dots = re.findall(
+            r"= \w+\[([\d,]*)\]\{[^}]*\} dot\(%([\w.\-]+), %([\w.\-]+)\)", computation
+        )
+        for shape, a, b in dots:
+            if output_dimension is None or str(output_dimension) in shape.split(","):
+                found.append((types[a], types[b]))
     return found
 
 
@@ -85,3 +90,28 @@ def test_matmul_rejects_operands_it_does_not_take():
         matmul.matmul(jnp.ones((2, 3, 4)), jnp.ones((4, 5)))
     with pytest.raises(ValueError, match="bfloat16"):
         matmul.matmul(jnp.ones((2, 3), jnp.bfloat16), jnp.ones((3, 5)))
+
+
+def test_the_mlm_decoder_and_its_gradients_keep_bfloat16_operands():
+    # Given x.T as a transposed view, XLA:CPU laid it out column-major and ran the
+    # decoder's forward and input-gradient products in float32.
+    config = bert.BertConfig.preset("tiny", vocab_size=1000, dtype="bfloat16")
+    params = bert.init_params(config, jax.random.key(0))
+    rng = np.random.default_rng(0)
+    batch = {
+        "input_ids": jnp.asarray(rng.integers(5, 1000, (4, 32)), jnp.int32),
+        "input_mask": jnp.ones((4, 32), jnp.int32),
+        "segment_ids": jnp.zeros((4, 32), jnp.int32),
+        "masked_lm_positions": jnp.tile(jnp.arange(1, 33, 4, dtype=jnp.int32), (4, 1)),
+        "masked_lm_ids": jnp.asarray(rng.integers(5, 1000, (4, 8)), jnp.int32),
+        "masked_lm_weights": jnp.ones((4, 8), jnp.float32),
+        "next_sentence_labels": jnp.zeros((4,), jnp.int32),
+    }
+
+    def loss(params):
+        return bert.pretraining_stats(config, params, batch)["mlm_loss_sum"]
+
+    hlo = jax.jit(jax.value_and_grad(loss)).lower(params).compile().as_text()
+    types = dot_operand_types(hlo, output_dimension=1000)  # the vocabulary axis
+    assert len(types) == 2, types  # logits [V, 32 positions]; the embeddings' gradient
+    assert set(types) == {("bf16", "bf16")}, types
