@@ -13,9 +13,8 @@ from lambjax.train import recipes
 def get_config(arg=None):
     config = config_lib.base_config()
     config.model.preset = "tiny"
-    # At this width bfloat16 gains nothing on XLA:CPU (a tiny step: 279 ms against 284 ms in
-    # float32); BERT-base runs 1.5x faster in bfloat16 there, and TPU/GPU use "bfloat16".
-    config.model.overrides.dtype = "float32"
+    # Computes in bfloat16 (float32 parameters), the default: on XLA:CPU this model's step
+    # takes 176 ms against 200 ms in float32 (lambjax.models.matmul).
     # Two layers: a Python loop over them runs ~10% faster on XLA:CPU than `lax.scan`, and
     # compiles as fast (scan's compile time matters at depth).
     config.model.overrides.scan_layers = False
