@@ -225,9 +225,8 @@ class Heads(nn.Module):
         )
         # Vocabulary-major [V, B * P]: the tied embedding's gradient (dlogits x) then needs no
         # transpose of the logits gradient, and the bias gradient reduces the minor axis.
-        # x^T is a row-major copy: as a transposed view, XLA:CPU ran this product in float32.
         x = x.reshape(-1, x.shape[-1])
-        mlm_logits = matmul.matmul(word_embeddings.astype(x.dtype), matmul.transpose_copy(x))
+        mlm_logits = matmul.matmul_nt(word_embeddings.astype(x.dtype), x)
         return mlm_logits.astype(jnp.float32) + bias[:, None], nsp_logits.astype(jnp.float32)
 
 

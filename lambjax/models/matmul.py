@@ -11,8 +11,8 @@ than float32. Two more forms fall off that path, and the backward pass avoids bo
   converts both operands to float32 for it. The backward pass transposes x in memory first.
 - a transpose that XLA can fold into the matmul: it folds it, and the matmul is the form
   above again. `transpose_copy` splits the rows before transposing, which XLA keeps a copy.
-  A right operand that is a transposed view (`x.T`) can also lose the fast path where XLA
-  lays it out column-major (the MLM decoder did): pass `transpose_copy(x)` instead.
+  A right operand that is a transposed view (`b.T`) can also lose the fast path where XLA
+  lays it out column-major (the MLM decoder's did): `matmul_nt(a, b)` copies it first.
 
 On other platforms (GPU, TPU), and in float32, it is a plain `a @ b`.
 """
@@ -67,6 +67,19 @@ def matmul(a: jax.Array, b: jax.Array) -> jax.Array:
     if a.dtype != jnp.bfloat16:
         return a @ b
     return jax.lax.platform_dependent(a, b, cpu=_bf16_cpu_matmul, default=jnp.matmul)
+
+
+def matmul_nt(a: jax.Array, b: jax.Array) -> jax.Array:
+    """a [M, K] @ b [N, K]^T, like `matmul(a, b.T)`; on CPU in bfloat16 with b^T copied
+    row-major first (see the module docstring)."""
+    if a.dtype != jnp.bfloat16 or b.ndim != 2:
+        return matmul(a, b.T)
+    return jax.lax.platform_dependent(
+        a,
+        b,
+        cpu=lambda a, b: matmul(a, transpose_copy(b)),
+        default=lambda a, b: jnp.matmul(a, b.T),
+    )
 
 
 def dense_dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None):

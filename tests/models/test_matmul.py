@@ -47,6 +47,22 @@ def test_bfloat16_matmul_and_its_gradients_match_float64(rows):
         np.testing.assert_allclose(np.asarray(got, np.float64), expected, rtol=2**-8, atol=1e-6)
 
 
+def test_matmul_nt_is_matmul_with_the_right_operand_transposed():
+    (a, a64), (b, b64), (c, c64) = (
+        bf16_values(shape, seed) for seed, shape in enumerate([(16, 24), (40, 24), (16, 40)])
+    )
+
+    def loss(a, b):  # c weights the output, so the output's gradient is c
+        return jnp.sum(matmul.matmul_nt(a, b).astype(jnp.float32) * c.astype(jnp.float32))
+
+    da, db = jax.grad(loss, argnums=(0, 1))(a, b)
+    out = matmul.matmul_nt(a, b)
+    for got, expected in ((out, a64 @ b64.T), (da, c64 @ b64), (db, c64.T @ a64)):
+        np.testing.assert_allclose(np.asarray(got, np.float64), expected, rtol=2**-8, atol=1e-6)
+    a32, b32 = a.astype(jnp.float32), b.astype(jnp.float32)
+    np.testing.assert_array_equal(matmul.matmul_nt(a32, b32), a32 @ b32.T)
+
+
 def test_float32_matmul_is_a_plain_matmul():
     a, b = jnp.ones((4, 3)), jnp.arange(6.0).reshape(3, 2)
     np.testing.assert_array_equal(matmul.matmul(a, b), a @ b)
