@@ -83,16 +83,16 @@ def median_step_seconds(step, state, batch, rng, steps):
     return statistics.median(times)
 
 
-def lambjax_config(model, dtype="bfloat16"):
-    """The lambjax BertConfig benchmarked for `model` (compute `dtype`, its layer form)."""
+def lambjax_config(model, dtype="bfloat16", scan_layers=None):
+    """The lambjax BertConfig benchmarked for `model` (compute `dtype`; the model's layer
+    form unless `scan_layers` is given)."""
     from lambjax.models import bert
 
-    return bert.BertConfig.preset(
-        SHAPES[model][0], vocab_size=VOCAB, dtype=dtype, scan_layers=SCAN_LAYERS[model]
-    )
+    scan = SCAN_LAYERS[model] if scan_layers is None else scan_layers
+    return bert.BertConfig.preset(SHAPES[model][0], vocab_size=VOCAB, dtype=dtype, scan_layers=scan)
 
 
-def lambjax_step(model, dtype):
+def lambjax_step(model, dtype, scan_layers=None):
     """(step, initial state): lambjax's train step as the trainer jits it, on a fixed batch."""
     import jax
     import optax
@@ -103,7 +103,7 @@ def lambjax_step(model, dtype):
     from lambjax.train.optimizer import make_optimizer
 
     _, batch_size, seq, predictions = SHAPES[model]
-    config = lambjax_config(model, dtype)
+    config = lambjax_config(model, dtype, scan_layers)
     optimizer = make_optimizer(optimizer_config("lamb"), optax.constant_schedule(1e-3))
     train_step = jax.jit(
         functools.partial(
@@ -179,7 +179,15 @@ SIDES = {
     "hf bfloat16": (hf_step, "bfloat16", "retain", True),
     "lambjax float32": (lambjax_step, "float32", "retain", False),
     "lambjax bfloat16": (lambjax_step, "bfloat16", "retain", False),
+    # Not run by default: base with its layers unrolled (`model.overrides.scan_layers=False`).
+    "lambjax bfloat16 unrolled": (
+        functools.partial(lambjax_step, scan_layers=False),
+        "bfloat16",
+        "retain",
+        False,
+    ),
 }
+DEFAULT_SIDES = [side for side in SIDES if side != "lambjax bfloat16 unrolled"]
 HF_SIDES = ("hf float32 glibc malloc", "hf float32", "hf bfloat16")
 
 
@@ -303,7 +311,7 @@ def main():
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument(
         "--sides",
-        default=",".join(SIDES),
+        default=",".join(DEFAULT_SIDES),
         help="the sides to run (each worker holds a model; five BERT-base workers need more "
         "than 24 GB)",
     )
@@ -347,7 +355,7 @@ def main():
         as_shipped = seconds.get("hf float32 glibc malloc", float("nan"))
         fastest_hf = min(seconds[side] for side in hf_run)
         cells = " | ".join(
-            f"{seconds[side] * 1e3:,.0f}" if side in seconds else "-" for side in SIDES
+            f"{seconds[side] * 1e3:,.0f}" if side in seconds else "-" for side in DEFAULT_SIDES
         )
         utilisation = " / ".join(
             f"{flops / seconds[f'lambjax {dtype}'] / peaks[dtype]:.0%}"
@@ -361,6 +369,13 @@ def main():
             f"{utilisation} |",
             flush=True,
         )
+        unrolled = seconds.get("lambjax bfloat16 unrolled")
+        if unrolled:
+            print(
+                f"  {model}, lambjax bfloat16 with layers unrolled: {unrolled * 1e3:,.0f} ms; "
+                f"{as_shipped / unrolled:.2f}x / {fastest_hf / unrolled:.2f}x",
+                flush=True,
+            )
 
 
 if __name__ == "__main__":
