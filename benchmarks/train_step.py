@@ -352,7 +352,11 @@ def main():
         seconds = interleaved_median_seconds(model, sides, args.steps, args.rounds)
         ours = seconds["lambjax bfloat16"]
         hf_run = [side for side in HF_SIDES if side in seconds]
-        as_shipped = seconds.get("hf float32 glibc malloc", float("nan"))
+        as_shipped = seconds.get("hf float32 glibc malloc")
+
+        def ratio(hf, ours):
+            return "-" if hf is None else f"{hf / ours:.2f}x"
+
         fastest_hf = min(seconds[side] for side in hf_run)
         cells = " | ".join(
             f"{seconds[side] * 1e3:,.0f}" if side in seconds else "-" for side in DEFAULT_SIDES
@@ -365,7 +369,7 @@ def main():
         )
         print(
             f"| {model} | {batch_size} x {seq} | {cells} | {batch_size * seq / ours:,.0f} | "
-            f"{as_shipped / ours:.2f}x / {fastest_hf / ours:.2f}x (of {len(hf_run)}) | "
+            f"{ratio(as_shipped, ours)} / {ratio(fastest_hf, ours)} (of {len(hf_run)}) | "
             f"{utilisation} |",
             flush=True,
         )
@@ -373,7 +377,7 @@ def main():
         if unrolled:
             print(
                 f"  {model}, lambjax bfloat16 with layers unrolled: {unrolled * 1e3:,.0f} ms; "
-                f"{as_shipped / unrolled:.2f}x / {fastest_hf / unrolled:.2f}x",
+                f"{ratio(as_shipped, unrolled)} / {ratio(fastest_hf, unrolled)}",
                 flush=True,
             )
 
