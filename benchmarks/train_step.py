@@ -1,7 +1,7 @@
 """Tokens/s of a full BERT pretraining step (MLM + NSP forward, backward, LAMB update),
 lambjax against Hugging Face's Flax BERT with optax.lamb, measured in one run.
 
-  python benchmarks/train_step.py [--models tiny,base] [--steps 10] [--rounds 5]
+  python benchmarks/train_step.py [--models tiny,base] [--steps 10] [--rounds 5] [--sides ...]
 
 The baseline is `FlaxBertForPreTraining` from transformers 4.57.6 (the last release with
 Flax BERT), installed on first use into .venv-hf/ (a --target directory layered over this
@@ -284,6 +284,11 @@ def interleaved_median_seconds(model, sides, steps, rounds) -> dict[str, float]:
     return {side: statistics.median(t) for side, t in times.items()}
 
 
+def ratio(hf_seconds, lambjax_seconds) -> str:
+    """A speed-up against an HF side, or '-' where that side was not run."""
+    return "-" if hf_seconds is None else f"{hf_seconds / lambjax_seconds:.2f}x"
+
+
 def matmul_peak_flops(dtype):
     """Matmul FLOP/s of this machine through XLA (the best of a few sizes): float32, or
     bfloat16 operands accumulated into float32 (the form lambjax's bfloat16 model runs)."""
@@ -353,10 +358,6 @@ def main():
         ours = seconds["lambjax bfloat16"]
         hf_run = [side for side in HF_SIDES if side in seconds]
         as_shipped = seconds.get("hf float32 glibc malloc")
-
-        def ratio(hf, ours):
-            return "-" if hf is None else f"{hf / ours:.2f}x"
-
         fastest_hf = min(seconds[side] for side in hf_run)
         cells = " | ".join(
             f"{seconds[side] * 1e3:,.0f}" if side in seconds else "-" for side in DEFAULT_SIDES

@@ -106,6 +106,8 @@ def test_matmul_rejects_operands_it_does_not_take():
         matmul.matmul(jnp.ones((2, 3, 4)), jnp.ones((4, 5)))
     with pytest.raises(ValueError, match="bfloat16"):
         matmul.matmul(jnp.ones((2, 3), jnp.bfloat16), jnp.ones((3, 5)))
+    with pytest.raises(ValueError, match=r"matmul_nt takes .* float32\[5, 3, 1\]"):
+        matmul.matmul_nt(jnp.ones((2, 3)), jnp.ones((5, 3, 1)))
 
 
 def test_the_mlm_decoder_and_its_gradients_keep_bfloat16_operands():
