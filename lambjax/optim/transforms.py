@@ -282,10 +282,13 @@ def scale_by_lans(
             mu_correction = nu_correction = jnp.float32(1.0)
 
         def step(g, m, v, x, decays_here, is_stacked):
-            d = jnp.sqrt(v / nu_correction) + eps
             decay = weight_decay * x if decays_here and weight_decay else 0.0
-            r = m / mu_correction / d + decay
-            c = g / d + decay
+            # d = sqrt(v̂) + eps, written two ways on purpose: one shared d would be a
+            # tensor that XLA writes out and reads back (two of 24 parameter-sized passes,
+            # XLA's cost analysis); two different expressions are not merged, and each
+            # fuses into the one direction that reads it (22 passes).
+            r = m / mu_correction / (jnp.sqrt(v / nu_correction) + eps) + decay
+            c = g / (jnp.sqrt(v * (1 / nu_correction)) + eps) + decay
             param_norm = jnp.sqrt(tensor_sq_norms(x, is_stacked))
             phi = clip_param_norm(param_norm, param_norm_bounds)
             r_norm = jnp.sqrt(tensor_sq_norms(r, is_stacked))
