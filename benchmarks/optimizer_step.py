@@ -1,14 +1,22 @@
 """Optimizer step time on BERT-shaped parameter trees, as ratios to optax.adamw.
 
-  python benchmarks/optimizer_step.py [--model base|large|all] [--steps 20]
+  python benchmarks/optimizer_step.py [--model base|large|all] [--steps 20] [--rounds 4]
       [--host-memory retain|default]
 
 Each optimizer update (with apply_updates) is jitted with the parameters and state donated,
-as in a train step, and timed on random gradients; the median of `--steps` timed steps
-after warm-up is reported. All optimizers are measured in the same run. On CPU, malloc
-keeps freed memory as `lambjax.main` sets it (lambjax.host_memory); `--host-memory=default`
-leaves glibc's defaults, under which every fresh temporary (a trust ratio's update) is
-faulted in again at every step.
+as in a train step, and timed on random gradients. All optimizers are measured in the same
+run, taking turns: `--rounds` rounds, in each of which every optimizer starts from fresh
+state, warms up and takes `--steps / --rounds` timed steps (this VM's speed drifts between
+minutes; turns spread the drift over all of them). The median timed step is reported.
+
+Next to the time, the memory traffic of the compiled step (XLA's cost analysis: bytes read
+and written, in parameter-sized passes). The update is memory-bound, so its time should
+follow its traffic; "time / traffic" compares the two ratios to adamw (1.00 = the extra
+time is all extra traffic).
+
+On CPU, malloc keeps freed memory as `lambjax.main` sets it (lambjax.host_memory);
+`--host-memory=default` leaves glibc's defaults, under which every fresh temporary (a trust
+ratio's update) is faulted in again at every step.
 """
 
 import argparse
@@ -109,14 +117,24 @@ def optimizers():
     }
 
 
-def time_optimizer(tx, params, grads, steps):
+def compile_step(tx, params, grads):
+    """The jitted update + apply_updates, compiled, and its memory traffic in bytes."""
+
     def update(params, opt_state, grads):
         updates, opt_state = tx.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state
 
-    step = jax.jit(update, donate_argnums=(0, 1))
-    params = jax.tree.map(jnp.copy, params)
-    opt_state = jax.jit(tx.init)(params)  # distinct buffers, so they can be donated
+    opt_state = jax.eval_shape(tx.init, params)
+    compiled = jax.jit(update, donate_argnums=(0, 1)).lower(params, opt_state, grads).compile()
+    cost = compiled.cost_analysis()
+    cost = cost[0] if isinstance(cost, list) else cost  # a list of one in older jax
+    return compiled, cost["bytes accessed"]
+
+
+def time_steps(init, step, params, grads, steps):
+    """Seconds per step for `steps` steps, from a fresh state after a warm-up."""
+    params = jax.tree.map(jnp.copy, params)  # distinct buffers, so they can be donated
+    opt_state = init(params)
     for _ in range(3):
         params, opt_state = step(params, opt_state, grads)
     jax.block_until_ready(params)
@@ -126,15 +144,34 @@ def time_optimizer(tx, params, grads, steps):
         params, opt_state = step(params, opt_state, grads)
         jax.block_until_ready(params)
         times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return times
+
+
+def measure(params, grads, steps, rounds):
+    """{name: (median seconds per step, bytes accessed per step)}, optimizers taking turns."""
+    txs = optimizers()
+    compiled = {name: compile_step(tx, params, grads) for name, tx in txs.items()}
+    inits = {name: jax.jit(tx.init) for name, tx in txs.items()}
+    times = {name: [] for name in txs}
+    per_round = steps // rounds
+    for _ in range(rounds):
+        for name in txs:
+            times[name] += time_steps(inits[name], compiled[name][0], params, grads, per_round)
+    return {name: (statistics.median(times[name]), compiled[name][1]) for name in txs}
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", choices=["base", "large", "all"], default="all")
-    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--steps", type=int, default=20, help="timed steps per optimizer")
+    parser.add_argument("--rounds", type=int, default=4, help="turns the optimizers take")
     parser.add_argument("--host-memory", choices=["retain", "default"], default="retain")
     args = parser.parse_args()
+    if args.steps < 1 or not 1 <= args.rounds <= args.steps:
+        parser.error(
+            f"--steps={args.steps} --rounds={args.rounds}: need steps >= 1 and "
+            "1 <= rounds <= steps"
+        )
     if args.host_memory == "retain":
         host_memory.retain_freed_memory()
     models = ["base", "large"] if args.model == "all" else [args.model]
@@ -146,16 +183,22 @@ def main():
         params = bert_shaped_params(model)
         count = sum(x.size for x in jax.tree.leaves(params))
         grads = random_like(params, seed=1)
-        results = {
-            name: time_optimizer(tx, params, grads, args.steps) for name, tx in optimizers().items()
-        }
-        baseline = results["optax.adamw"]
+        param_bytes = sum(x.nbytes for x in jax.tree.leaves(params))
+        results = measure(params, grads, args.steps, args.rounds)
+        base_seconds, base_bytes = results["optax.adamw"]
         print(f"\nBERT-{model} shaped tree ({count / 1e6:.0f}M parameters)")
-        print("| optimizer | median step (ms) | vs optax.adamw |")
-        print("|---|---:|---:|")
-        for name, seconds in results.items():
-            print(f"| {name} | {seconds * 1e3:.1f} | {seconds / baseline:.2f}x |")
-
+        print(
+            "| optimizer | median step (ms) | vs optax.adamw | traffic (parameter passes) "
+            "| traffic vs adamw | time / traffic |"
+        )
+        print("|---|---:|---:|---:|---:|---:|")
+        for name, (seconds, accessed) in results.items():
+            time_ratio, traffic_ratio = seconds / base_seconds, accessed / base_bytes
+            print(
+                f"| {name} | {seconds * 1e3:.1f} | {time_ratio:.2f}x | "
+                f"{accessed / param_bytes:.1f} | {traffic_ratio:.2f}x | "
+                f"{time_ratio / traffic_ratio:.2f} |"
+            )
 
 if __name__ == "__main__":
     main()
