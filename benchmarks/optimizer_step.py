@@ -1,13 +1,13 @@
 """Optimizer step time on BERT-shaped parameter trees, as ratios to optax.adamw.
 
-  python benchmarks/optimizer_step.py [--model base|large|all] [--steps 20] [--rounds 4]
+  python benchmarks/optimizer_step.py [--model base|large|all] [--steps 20]
       [--host-memory retain|default]
 
 Each optimizer update (with apply_updates) is jitted with the parameters and state donated,
-as in a train step, and timed on random gradients. All optimizers are measured in the same
-run, taking turns: `--rounds` rounds, in each of which every optimizer starts from fresh
-state, warms up and takes `--steps / --rounds` timed steps (this VM's speed drifts between
-minutes; turns spread the drift over all of them). The median timed step is reported.
+as in a train step, and timed on random gradients; the median of `--steps` timed steps
+after warm-up is reported. All optimizers are measured in the same run, one after another.
+(Taking turns, each turn from a fresh state, was tried: with freed memory retained, the
+heap of five BERT-large optimizers outgrew 24 GB and the process was killed.)
 
 Next to the time, the memory traffic of the compiled step (XLA's cost analysis: bytes read
 and written, in parameter-sized passes). The update is memory-bound, so its time should
@@ -147,31 +147,24 @@ def time_steps(init, step, params, grads, steps):
     return times
 
 
-def measure(params, grads, steps, rounds):
-    """{name: (median seconds per step, bytes accessed per step)}, optimizers taking turns."""
-    txs = optimizers()
-    compiled = {name: compile_step(tx, params, grads) for name, tx in txs.items()}
-    inits = {name: jax.jit(tx.init) for name, tx in txs.items()}
-    times = {name: [] for name in txs}
-    per_round = steps // rounds
-    for _ in range(rounds):
-        for name in txs:
-            times[name] += time_steps(inits[name], compiled[name][0], params, grads, per_round)
-    return {name: (statistics.median(times[name]), compiled[name][1]) for name in txs}
+def measure(params, grads, steps):
+    """{name: (median seconds per step, bytes accessed per step)} for every optimizer."""
+    results = {}
+    for name, tx in optimizers().items():
+        step, accessed = compile_step(tx, params, grads)
+        times = time_steps(jax.jit(tx.init), step, params, grads, steps)
+        results[name] = (statistics.median(times), accessed)
+    return results
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", choices=["base", "large", "all"], default="all")
     parser.add_argument("--steps", type=int, default=20, help="timed steps per optimizer")
-    parser.add_argument("--rounds", type=int, default=4, help="turns the optimizers take")
     parser.add_argument("--host-memory", choices=["retain", "default"], default="retain")
     args = parser.parse_args()
-    if args.steps < 1 or not 1 <= args.rounds <= args.steps:
-        parser.error(
-            f"--steps={args.steps} --rounds={args.rounds}: need steps >= 1 and "
-            "1 <= rounds <= steps"
-        )
+    if args.steps < 1:
+        parser.error(f"--steps={args.steps}: need at least 1 timed step")
     if args.host_memory == "retain":
         host_memory.retain_freed_memory()
     models = ["base", "large"] if args.model == "all" else [args.model]
@@ -184,7 +177,7 @@ def main():
         count = sum(x.size for x in jax.tree.leaves(params))
         grads = random_like(params, seed=1)
         param_bytes = sum(x.nbytes for x in jax.tree.leaves(params))
-        results = measure(params, grads, args.steps, args.rounds)
+        results = measure(params, grads, args.steps)
         base_seconds, base_bytes = results["optax.adamw"]
         print(f"\nBERT-{model} shaped tree ({count / 1e6:.0f}M parameters)")
         print(
