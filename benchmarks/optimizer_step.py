@@ -193,5 +193,6 @@ def main():
                 f"{time_ratio / traffic_ratio:.2f} |"
             )
 
+
 if __name__ == "__main__":
     main()
