@@ -1,10 +1,11 @@
 """Progressive layer dropping and multi-stage layerwise training against the plain baseline.
 
   python benchmarks/layer_schemes.py [--steps 240] [--scheme-steps 360] [--layers 8]
-      [--timing-rounds 20] [--workdir DIR] [--report-only]
+      [--dtype bfloat16|float32] [--timing-rounds 20] [--workdir DIR] [--report-only]
 
 Trains one PreLN BERT (hidden 128, 2 heads, MLP 512, `--layers` layers run unrolled,
-sequence 128, batch 32) on the embedded corpus three ways, in this one run, with the same
+computing in `--dtype` (the model's default, bfloat16) with float32 parameters, sequence
+128, batch 32) on the embedded corpus three ways, in this one run, with the same
 data, seed and learning-rate schedule shape (LAMB, NVIDIA's settings):
 
   baseline  every layer, every step, `--steps` steps;
@@ -55,7 +56,7 @@ def base(args, data_dir: str, steps: int):
     # Layers unrolled: on XLA:CPU an 8-layer H128 step takes 15% less time than under
     # lax.scan, and a dropped layer's lax.cond costs nothing there (in the scan it costs 7%).
     config.model.overrides.update(
-        {"dtype": "float32", "num_layers": args.layers, "layer_norm": "pre", "scan_layers": False}
+        {"dtype": args.dtype, "num_layers": args.layers, "layer_norm": "pre", "scan_layers": False}
     )
     config.data.source = "embedded"
     config.data.vocab_size = 4096
@@ -174,6 +175,7 @@ def main():
     parser.add_argument("--steps", type=int, default=240)
     parser.add_argument("--scheme-steps", type=int, default=360)
     parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
     parser.add_argument("--eval-every", type=int, default=20)
     parser.add_argument("--eval-batches", type=int, default=8)
     parser.add_argument("--timing-rounds", type=int, default=20)
@@ -220,7 +222,10 @@ def main():
     target = final_eval["baseline"]
     baseline_records = results["baseline"][1]
     baseline_to_target = time_to_loss(baseline_records, per_step["baseline"], target)
-    print(f"\n{args.layers}-layer PreLN BERT (H128, A2, I512), sequence 128, batch {samples}")
+    print(
+        f"\n{args.layers}-layer PreLN BERT (H128, A2, I512, {args.dtype} compute), sequence 128, "
+        f"batch {samples}"
+    )
     print(f"target: the baseline's final held-out MLM loss, {target:.3f}\n")
     print(
         "| scheme | steps | ms / sample | vs baseline | train time (s) | final held-out MLM "
