@@ -129,15 +129,20 @@ def reference_lans(params, grads, *, wd, decay_mask):
     return jax.tree.unflatten(treedef, flat_x)
 
 
-def run(tx, params, grads):
-    params = jax.tree.map(lambda a: jnp.asarray(a, jnp.float32), params)
-    state = tx.init(params)
+def update_and_apply(tx):
+    """(params, state, grads) -> (new params, new state): one optimizer step."""
 
-    @jax.jit
     def step(params, state, g):
         updates, state = tx.update(g, state, params)
         return optax.apply_updates(params, updates), state
 
+    return step
+
+
+def run(tx, params, grads):
+    params = jax.tree.map(lambda a: jnp.asarray(a, jnp.float32), params)
+    state = tx.init(params)
+    step = jax.jit(update_and_apply(tx))
     for g in grads:
         params, state = step(params, state, jax.tree.map(lambda a: jnp.asarray(a, jnp.float32), g))
     return params, state, step
@@ -235,22 +240,17 @@ def test_update_memory_traffic_in_parameter_passes(name, passes):
         pytest.skip("counts XLA:CPU's fusions")
     params = {"kernel": jnp.ones((256, 1024)), "layers": {"kernel": jnp.ones((4, 128, 512))}}
     stacked = {"kernel": False, "layers": {"kernel": True}}
-    make = {
-        "adamw": lambda: optax.adamw(LR, weight_decay=0.01),
-        "lamb paper": lambda: optim.lamb(LR, weight_decay=0.01, stacked_layers=stacked),
-        "lamb NVIDIA": lambda: optim.lamb(
+    tx = {
+        "adamw": optax.adamw(LR, weight_decay=0.01),
+        "lamb paper": optim.lamb(LR, weight_decay=0.01, stacked_layers=stacked),
+        "lamb NVIDIA": optim.lamb(
             LR, weight_decay=0.01, max_global_norm=1.0, stacked_layers=stacked
         ),
-        "lans": lambda: optim.lans(LR, weight_decay=0.01, stacked_layers=stacked),
-    }
-    tx = make[name]()
-
-    def update(params, state, grads):
-        updates, state = tx.update(grads, state, params)
-        return optax.apply_updates(params, updates), state
-
+        "lans": optim.lans(LR, weight_decay=0.01, stacked_layers=stacked),
+    }[name]
     state = jax.eval_shape(tx.init, params)
-    compiled = jax.jit(update, donate_argnums=(0, 1)).lower(params, state, params).compile()
+    step = jax.jit(update_and_apply(tx), donate_argnums=(0, 1))
+    compiled = step.lower(params, state, params).compile()
     param_bytes = sum(x.nbytes for x in jax.tree.leaves(params))
     measured = compiled.cost_analysis()["bytes accessed"] / param_bytes
     assert measured == pytest.approx(passes, abs=0.01)
