@@ -16,6 +16,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import optax
+import optax.tree_utils as otu
 
 MaskOrFn = Any  # a pytree of bools matching params, a callable params -> such a tree, or None
 
@@ -44,6 +45,17 @@ def checked_mask(mask: MaskOrFn, argument: str) -> Callable:
     return lambda params: resolve_mask(mask, params, argument=argument, default=True)
 
 
+def resolve_per_tensor_masks(params, mask: MaskOrFn, argument: str, stacked_layers: MaskOrFn):
+    """(mask, stacked) as trees of bools for `params`: `mask` (None = all True, named
+    `argument` in errors) and which leaves stack layers (None = none)."""
+    if params is None:
+        raise ValueError(optax.NO_PARAMS_MSG)
+    return (
+        resolve_mask(mask, params, argument=argument, default=True),
+        resolve_mask(stacked_layers, params, argument="stacked_layers", default=False),
+    )
+
+
 def tensor_sq_norms(x: jax.Array, stacked: bool) -> jax.Array:
     """Squared L2 norm of each tensor: a scalar, or one per layer slice ([L]) if stacked."""
     x = x.astype(jnp.float32)
@@ -64,6 +76,11 @@ def broadcast_per_tensor(values: jax.Array, x: jax.Array) -> jax.Array:
 def ones_per_tensor(x: jax.Array, stacked: bool) -> jax.Array:
     """A ratio of 1 for the tensor: a scalar, or one per layer slice if stacked."""
     return jnp.ones((x.shape[0],) if stacked and x.ndim else (), jnp.float32)
+
+
+def unit_ratios(params, stacked):
+    """A fresh tree of trust ratios 1 (a new buffer per leaf on every call)."""
+    return jax.tree.map(ones_per_tensor, params, stacked)
 
 
 def safe_ratio(numerator: jax.Array, denominator: jax.Array, guard: jax.Array) -> jax.Array:
@@ -103,7 +120,7 @@ def clip_by_global_norm(max_norm: float) -> optax.GradientTransformation:
 
     def update_fn(updates, state, params=None):
         del params
-        scale = jnp.minimum(1.0, max_norm / optax.global_norm(updates))  # 1 for a zero norm
+        scale = jnp.minimum(1.0, max_norm / otu.tree_norm(updates))  # 1 for a zero norm
         return jax.tree.map(lambda g: g * scale.astype(g.dtype), updates), state
 
     return optax.GradientTransformation(optax.init_empty_state, update_fn)
@@ -146,6 +163,26 @@ def normalize_per_tensor(stacked_layers: MaskOrFn = None) -> optax.GradientTrans
 # Adam moments with optional bias correction
 
 
+def init_moments(params) -> optax.ScaleByAdamState:
+    """Step 0 and zero moments. mu and nu are separate buffers: a state passed to a
+    jitted step with `donate_argnums` may not hold one buffer twice."""
+    return optax.ScaleByAdamState(
+        count=jnp.zeros([], jnp.int32),
+        mu=otu.tree_zeros_like(params),
+        nu=otu.tree_zeros_like(params),
+    )
+
+
+def update_moments(updates, state, b1: float, b2: float) -> optax.ScaleByAdamState:
+    """The step count and Adam's moving averages of g and g*g, from any state with
+    `count`, `mu` and `nu` fields."""
+    return optax.ScaleByAdamState(
+        count=optax.safe_increment(state.count),
+        mu=otu.tree_update_moment(updates, state.mu, b1, 1),
+        nu=otu.tree_update_moment_per_elem_norm(updates, state.nu, b2, 2),
+    )
+
+
 def scale_by_adam(
     b1: float = 0.9, b2: float = 0.999, eps: float = 1e-6, *, bias_correction: bool = True
 ) -> optax.GradientTransformation:
@@ -153,18 +190,13 @@ def scale_by_adam(
     if bias_correction:
         return optax.scale_by_adam(b1=b1, b2=b2, eps=eps)
 
-    def init_fn(params):
-        zeros = jax.tree.map(jnp.zeros_like, params)
-        return optax.ScaleByAdamState(jnp.zeros([], jnp.int32), zeros, zeros)
-
     def update_fn(updates, state, params=None):
         del params
-        mu = jax.tree.map(lambda m, g: b1 * m + (1 - b1) * g, state.mu, updates)
-        nu = jax.tree.map(lambda v, g: b2 * v + (1 - b2) * g * g, state.nu, updates)
-        updates = jax.tree.map(lambda m, v: m / (jnp.sqrt(v) + eps), mu, nu)
-        return updates, optax.ScaleByAdamState(optax.safe_increment(state.count), mu, nu)
+        state = update_moments(updates, state, b1, b2)
+        updates = jax.tree.map(lambda m, v: m / (jnp.sqrt(v) + eps), state.mu, state.nu)
+        return updates, state
 
-    return optax.GradientTransformation(init_fn, update_fn)
+    return optax.GradientTransformation(init_moments, update_fn)
 
 
 # ----------------------------------------------------------------------------------------
@@ -197,15 +229,11 @@ def scale_by_trust_ratio(
     _check_bounds(param_norm_bounds, "param_norm_bounds")
 
     def init_fn(params):
-        resolve_mask(mask, params, argument="mask", default=True)
-        stacked = resolve_mask(stacked_layers, params, argument="stacked_layers", default=False)
-        return TrustRatioState(jax.tree.map(ones_per_tensor, params, stacked))
+        _, stacked = resolve_per_tensor_masks(params, mask, "mask", stacked_layers)
+        return TrustRatioState(unit_ratios(params, stacked))
 
     def update_fn(updates, state, params=None):
-        if params is None:
-            raise ValueError(optax.NO_PARAMS_MSG)
-        applies = resolve_mask(mask, params, argument="mask", default=True)
-        stacked = resolve_mask(stacked_layers, params, argument="stacked_layers", default=False)
+        applies, stacked = resolve_per_tensor_masks(params, mask, "mask", stacked_layers)
 
         def ratio(u, x, applies_here, is_stacked):
             if not applies_here:
@@ -260,35 +288,37 @@ def scale_by_lans(
     """
     _check_bounds(param_norm_bounds, "param_norm_bounds")
 
+    def masks(params):
+        return resolve_per_tensor_masks(
+            params, weight_decay_mask, "weight_decay_mask", stacked_layers
+        )
+
     def init_fn(params):
-        resolve_mask(weight_decay_mask, params, argument="weight_decay_mask", default=True)
-        stacked = resolve_mask(stacked_layers, params, argument="stacked_layers", default=False)
-        zeros = jax.tree.map(jnp.zeros_like, params)
-        ones = jax.tree.map(ones_per_tensor, params, stacked)
-        return ScaleByLansState(jnp.zeros([], jnp.int32), zeros, zeros, ones, ones)
+        _, stacked = masks(params)
+        count, mu, nu = init_moments(params)
+        return ScaleByLansState(
+            count, mu, nu, unit_ratios(params, stacked), unit_ratios(params, stacked)
+        )
 
     def update_fn(updates, state, params=None):
-        if params is None:
-            raise ValueError(optax.NO_PARAMS_MSG)
-        decays = resolve_mask(weight_decay_mask, params, argument="weight_decay_mask", default=True)
-        stacked = resolve_mask(stacked_layers, params, argument="stacked_layers", default=False)
-        count = optax.safe_increment(state.count)
-        mu = jax.tree.map(lambda m, g: b1 * m + (1 - b1) * g, state.mu, updates)
-        nu = jax.tree.map(lambda v, g: b2 * v + (1 - b2) * g * g, state.nu, updates)
+        decays, stacked = masks(params)
+        count, mu, nu = update_moments(updates, state, b1, b2)
         if bias_correction:
-            mu_correction = 1 - b1 ** count.astype(jnp.float32)
-            nu_correction = 1 - b2 ** count.astype(jnp.float32)
+            mu_hat = otu.tree_bias_correction(mu, b1, count)
+            nu_hat = otu.tree_bias_correction(nu, b2, count)
+            nu_rescale = 1 / (1 - b2 ** count.astype(jnp.float32))  # for c, see step()
         else:
-            mu_correction = nu_correction = jnp.float32(1.0)
+            mu_hat, nu_hat, nu_rescale = mu, nu, jnp.float32(1.0)
 
-        def step(g, m, v, x, decays_here, is_stacked):
+        def step(g, m_hat, v_hat, v, x, decays_here, is_stacked):
             decay = weight_decay * x if decays_here and weight_decay else 0.0
-            # d = sqrt(v̂) + eps, written two ways on purpose: one shared d would be a
-            # tensor that XLA writes out and reads back (two of 24 parameter-sized passes,
-            # XLA's cost analysis); two different expressions are not merged, and each
-            # fuses into the one direction that reads it (22 passes).
-            r = m / mu_correction / (jnp.sqrt(v / nu_correction) + eps) + decay
-            c = g / (jnp.sqrt(v * (1 / nu_correction)) + eps) + decay
+            # d = sqrt(v̂) + eps, written two ways on purpose: v̂ = v / (1 - b2^t) for r,
+            # v * (1 / (1 - b2^t)) for c. One shared d would be a tensor that XLA writes
+            # out and reads back (two of 24 parameter-sized passes, XLA's cost analysis);
+            # two different expressions are not merged, and each fuses into the one
+            # direction that reads it (22 passes).
+            r = m_hat / (jnp.sqrt(v_hat) + eps) + decay
+            c = g / (jnp.sqrt(v * nu_rescale) + eps) + decay
             param_norm = jnp.sqrt(tensor_sq_norms(x, is_stacked))
             phi = clip_param_norm(param_norm, param_norm_bounds)
             r_norm = jnp.sqrt(tensor_sq_norms(r, is_stacked))
@@ -301,7 +331,7 @@ def scale_by_lans(
             )
             return out.astype(x.dtype), r_ratio, c_ratio
 
-        results = jax.tree.map(step, updates, mu, nu, params, decays, stacked)
+        results = jax.tree.map(step, updates, mu_hat, nu_hat, nu, params, decays, stacked)
         out, adam_ratios, gradient_ratios = jax.tree.transpose(
             jax.tree.structure(updates), jax.tree.structure((0, 0, 0)), results
         )
