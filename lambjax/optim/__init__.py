@@ -6,6 +6,14 @@ from lambjax import optim
 tx = optim.lans(optim.warmup_constant_decay_schedule(5e-3, 10_000, 0.05, 0.25),
                 weight_decay=0.01, weight_decay_mask=optim.bert_weight_decay_mask,
                 stacked_layers=optim.stacked_layers_mask)
+
+Under `optax.inject_hyperparams` every numeric argument becomes part of the state; masks
+given as callables go in `static_args` (a callable argument is otherwise taken for a
+schedule):
+
+tx = optax.inject_hyperparams(optim.lans, static_args=("weight_decay_mask", "stacked_layers"))(
+    5e-3, weight_decay=0.01, weight_decay_mask=optim.bert_weight_decay_mask,
+    stacked_layers=optim.stacked_layers_mask)
 """
 
 from lambjax.optim.lamb import lamb

@@ -3,22 +3,8 @@
 import optax
 
 from lambjax.optim import transforms
+from lambjax.optim.hyperparameters import check_hyperparameters, is_python_zero
 from lambjax.optim.transforms import MaskOrFn
-
-
-def check_hyperparameters(learning_rate, b1, b2, eps, weight_decay, max_global_norm=None):
-    """ValueErrors that name the argument, for both optimizers."""
-    if not callable(learning_rate) and learning_rate < 0:
-        raise ValueError(f"learning_rate={learning_rate} must be >= 0 (or an optax schedule)")
-    for name, value in (("b1", b1), ("b2", b2)):
-        if not 0 <= value < 1:
-            raise ValueError(f"{name}={value} must lie in [0, 1)")
-    if eps < 0:
-        raise ValueError(f"eps={eps} must be >= 0")
-    if weight_decay < 0:
-        raise ValueError(f"weight_decay={weight_decay} must be >= 0")
-    if max_global_norm is not None and max_global_norm <= 0:
-        raise ValueError(f"max_global_norm={max_global_norm} must be > 0 (or None: no clipping)")
 
 
 def lamb(
@@ -60,11 +46,11 @@ def lamb(
     if weight_decay_mask is not None:
         weight_decay_mask = transforms.checked_mask(weight_decay_mask, "weight_decay_mask")
     return optax.chain(
-        transforms.clip_by_global_norm(max_global_norm) if max_global_norm else optax.identity(),
+        transforms.optional_clip_by_global_norm(max_global_norm),
         transforms.scale_by_adam(b1, b2, eps, bias_correction=bias_correction),
-        optax.add_decayed_weights(weight_decay, weight_decay_mask)
-        if weight_decay
-        else optax.identity(),
+        optax.identity()
+        if is_python_zero(weight_decay)
+        else optax.add_decayed_weights(weight_decay, weight_decay_mask),
         transforms.scale_by_trust_ratio(
             mask=trust_ratio_mask,
             stacked_layers=stacked_layers,

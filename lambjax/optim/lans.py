@@ -3,7 +3,7 @@
 import optax
 
 from lambjax.optim import transforms
-from lambjax.optim.lamb import check_hyperparameters
+from lambjax.optim.hyperparameters import check_hyperparameters
 from lambjax.optim.transforms import MaskOrFn
 
 
@@ -32,7 +32,7 @@ def lans(
     """
     check_hyperparameters(learning_rate, b1, b2, eps, weight_decay, max_global_norm)
     return optax.chain(
-        transforms.clip_by_global_norm(max_global_norm) if max_global_norm else optax.identity(),
+        transforms.optional_clip_by_global_norm(max_global_norm),
         transforms.normalize_per_tensor(stacked_layers),
         transforms.scale_by_lans(
             b1,

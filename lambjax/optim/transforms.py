@@ -18,6 +18,8 @@ import jax.numpy as jnp
 import optax
 import optax.tree_utils as otu
 
+from lambjax.optim.hyperparameters import is_python_zero, is_traced
+
 MaskOrFn = Any  # a pytree of bools matching params, a callable params -> such a tree, or None
 
 
@@ -115,7 +117,7 @@ def clip_by_global_norm(max_norm: float) -> optax.GradientTransformation:
     fuses the clipped gradient into each consumer (the two Adam moments) instead of
     writing it out (optax divides every element, which XLA:CPU materialises).
     """
-    if max_norm <= 0:
+    if not is_traced(max_norm) and max_norm <= 0:
         raise ValueError(f"max_norm={max_norm} must be > 0")
 
     def update_fn(updates, state, params=None):
@@ -124,6 +126,11 @@ def clip_by_global_norm(max_norm: float) -> optax.GradientTransformation:
         return jax.tree.map(lambda g: g * scale.astype(g.dtype), updates), state
 
     return optax.GradientTransformation(optax.init_empty_state, update_fn)
+
+
+def optional_clip_by_global_norm(max_norm: float | None) -> optax.GradientTransformation:
+    """clip_by_global_norm(max_norm), or the identity for None."""
+    return optax.identity() if max_norm is None else clip_by_global_norm(max_norm)
 
 
 # ----------------------------------------------------------------------------------------
@@ -311,7 +318,7 @@ def scale_by_lans(
             mu_hat, nu_hat, nu_rescale = mu, nu, jnp.float32(1.0)
 
         def step(g, m_hat, v_hat, v, x, decays_here, is_stacked):
-            decay = weight_decay * x if decays_here and weight_decay else 0.0
+            decay = 0.0 if is_python_zero(weight_decay) or not decays_here else weight_decay * x
             # d = sqrt(v̂) + eps, written two ways on purpose: v̂ = v / (1 - b2^t) for r,
             # v * (1 / (1 - b2^t)) for c. One shared d would be a tensor that XLA writes
             # out and reads back (two of 24 parameter-sized passes, XLA's cost analysis);
