@@ -10,13 +10,13 @@ Parameters are a plain pytree:
 The encoder layers are stored stacked and run with `lax.scan` (compile time independent of
 depth) or, with `scan_layers=False`, a Python loop over the same stacked tree. The forward
 takes a per-layer keep mask (a dropped layer is skipped with `lax.cond`, its compute never
-runs) and a number of bottom layers that run without gradient; `grow_layers` deepens a model
-by copying layers. Every parameter carries logical axis names (lambjax.sharding maps them).
+runs) and a number of bottom layers that run without gradient. Every parameter carries
+logical axis names (lambjax.sharding maps them). The pretraining losses on top of the
+encoder are in lambjax.models.pretraining.
 """
 
 import dataclasses
 import functools
-from typing import Any
 
 import flax.linen as nn
 import jax
@@ -291,26 +291,6 @@ def param_logical_axes(config: BertConfig) -> dict:
     return _assemble(specs)
 
 
-def grow_layers(config: BertConfig, params: dict, num_layers: int) -> tuple[BertConfig, dict]:
-    """Deepens the encoder to `num_layers` by copying the current top layers on top.
-
-    With n current layers and k = num_layers - n new ones (k <= n), new layer n + i is a
-    copy of layer n - k + i: the top k layers are repeated in order (3 -> 6 stacks layers
-    0..2 again; 6 -> 8 copies layers 4, 5). For k > n the rule repeats.
-    """
-    current = config.num_layers
-    if num_layers < current:
-        raise ValueError(f"grow_layers: num_layers={num_layers} < current depth {current}")
-    sources = list(range(current))
-    while len(sources) < num_layers:
-        k = min(num_layers - len(sources), len(sources))
-        sources += sources[len(sources) - k :]
-    index = jnp.asarray(sources)
-    grown = jax.tree.map(lambda x: x[index], params["encoder"]["layers"])
-    params = {**params, "encoder": {**params["encoder"], "layers": grown}}
-    return dataclasses.replace(config, num_layers=num_layers), params
-
-
 # ----------------------------------------------------------------------------------------
 # Forward
 
@@ -419,119 +399,3 @@ def encoder_outputs(
 def encode(config: BertConfig, params: dict, input_ids, segment_ids, input_mask):
     """The last hidden states, deterministically: for use outside training."""
     return encoder_outputs(config, params, input_ids, segment_ids, input_mask)
-
-
-def _vocab_major_logits(config: BertConfig, params: dict, batch: dict, **encoder_kwargs):
-    """(MLM logits [V, B * P] at the masked positions, NSP logits [B, 2]), float32."""
-    h = encoder_outputs(
-        config,
-        params,
-        batch["input_ids"],
-        batch["segment_ids"],
-        batch["input_mask"],
-        **encoder_kwargs,
-    )
-    return Heads(config).apply(
-        {"params": params["heads"]},
-        h,
-        batch["masked_lm_positions"],
-        params["embeddings"]["word"]["embedding"],
-    )
-
-
-def pretraining_logits(config: BertConfig, params: dict, batch: dict, **encoder_kwargs):
-    """(MLM logits [B, P, V] at the masked positions, NSP logits [B, 2]), float32."""
-    mlm_logits, nsp_logits = _vocab_major_logits(config, params, batch, **encoder_kwargs)
-    shape = batch["masked_lm_positions"].shape + (config.vocab_size,)
-    return mlm_logits.T.reshape(shape), nsp_logits
-
-
-def _cross_entropy(logits, labels, axis: int):
-    """(negative log-likelihood, hit) of integer `labels` under `logits` along `axis`.
-
-    The label's logit is picked with a one-hot compare, not a gather: its gradient is then
-    part of the one elementwise pass softmax - one_hot, where a gather's is a scatter into
-    a zero tensor as large as the logits. A hit is a label whose logit is the largest.
-    """
-    classes = jax.lax.broadcasted_iota(labels.dtype, logits.shape, axis % logits.ndim)
-    one_hot = classes == jnp.expand_dims(labels, axis)
-    label_logits = jnp.sum(jnp.where(one_hot, logits, 0.0), axis=axis)
-    nll = jax.nn.logsumexp(logits, axis=axis) - label_logits
-    hits = label_logits >= jnp.max(logits, axis=axis)
-    return nll, hits.astype(jnp.float32)
-
-
-def pretraining_stats(
-    config: BertConfig,
-    params: dict,
-    batch: dict,
-    *,
-    dropout_rng=None,
-    layer_keep=None,
-    layer_scale=None,
-    num_frozen_layers: int = 0,
-) -> dict[str, Any]:
-    """Sums (not means) of the MLM and NSP losses and hits over the batch, float32.
-
-    Sums let a caller add micro-batches up exactly and normalise by global counts.
-    """
-    mlm_logits, nsp_logits = _vocab_major_logits(
-        config,
-        params,
-        batch,
-        dropout_rng=dropout_rng,
-        layer_keep=layer_keep,
-        layer_scale=layer_scale,
-        num_frozen_layers=num_frozen_layers,
-    )
-    weights = batch["masked_lm_weights"].astype(jnp.float32).reshape(-1)
-    mlm_nll, mlm_hits = _cross_entropy(mlm_logits, batch["masked_lm_ids"].reshape(-1), axis=0)
-    nsp_nll, nsp_hits = _cross_entropy(
-        nsp_logits, batch["next_sentence_labels"].reshape(-1), axis=-1
-    )
-    return {
-        "mlm_loss_sum": jnp.sum(mlm_nll * weights),
-        "mlm_weight_sum": jnp.sum(weights),
-        "mlm_correct_sum": jnp.sum(mlm_hits * weights),
-        "nsp_loss_sum": jnp.sum(nsp_nll),
-        "nsp_correct_sum": jnp.sum(nsp_hits),
-        "nsp_count": jnp.float32(nsp_nll.shape[0]),
-    }
-
-
-# ----------------------------------------------------------------------------------------
-# FLOPs
-
-
-def forward_flops(
-    config: BertConfig, batch_size: int, seq_len: int, predictions: int, *, num_layers=None
-) -> int:
-    """Matmul FLOPs (2 per multiply-add) of one forward pass, MLM head on gathered positions.
-
-    Per sequence and layer: Q, K, V and output projections 4 * 2*S*H^2; attention scores and
-    their product with V 2 * 2*S^2*H (bidirectional: every query sees every key); the MLP
-    2 * 2*S*H*I. Heads: pooler 2*H^2, NSP 2*H*2, and per masked position the transform
-    2*H^2 plus the tied decoder 2*H*V. `num_layers` counts only that many encoder layers.
-    """
-    h, m, s, v = config.hidden_size, config.intermediate_size, seq_len, config.vocab_size
-    layers = config.num_layers if num_layers is None else num_layers
-    per_layer = 8 * s * h * h + 4 * s * s * h + 4 * s * h * m
-    heads = 2 * h * h + 4 * h + predictions * (2 * h * h + 2 * h * v)
-    return batch_size * (layers * per_layer + heads)
-
-
-def train_step_flops(
-    config: BertConfig,
-    batch_size: int,
-    seq_len: int,
-    max_predictions_per_seq: int,
-    *,
-    num_frozen_layers: int = 0,
-) -> int:
-    """Forward + backward (twice the forward: gradients of activations and of weights).
-
-    Frozen bottom layers (a stage of multi-stage layerwise training) run forward only.
-    """
-    args = (config, batch_size, seq_len, max_predictions_per_seq)
-    frozen = forward_flops(*args, num_layers=num_frozen_layers) - forward_flops(*args, num_layers=0)
-    return 3 * forward_flops(*args) - 2 * frozen

@@ -7,8 +7,7 @@ Reads model.safetensors (or pytorch_model.bin, which needs torch). A BertModel c
 no pretraining heads: they are initialised and reported. Only PostLN BERT exists in
 transformers, so PreLN models do not export.
 
-Export a training run's latest checkpoint from the command line:
-  python -m lambjax.models.hf --workdir=WORKDIR --out=DIR
+A training run's latest checkpoint exports from the command line with lambjax.export.
 """
 
 import json
@@ -221,35 +220,3 @@ def to_transformers(
         json.dump(config_to_hf(config), f, indent=2)
     if vocab_file:
         shutil.copyfile(vocab_file, os.path.join(path, "vocab.txt"))
-
-
-def export_workdir(workdir: str, out: str) -> str:
-    """Exports the newest checkpoint of a training workdir; returns what was exported."""
-    from lambjax.train import checkpointing
-
-    meta, params = checkpointing.latest_params(workdir)
-    config = bert.BertConfig(**meta["model_config"])
-    vocab = meta.get("vocab_file")
-    to_transformers(
-        config, params, out, vocab_file=vocab if vocab and os.path.exists(vocab) else None
-    )
-    return f"{meta['phase']} of {workdir} ({config.num_layers} layers) -> {out}"
-
-
-def main(argv=None):
-    import argparse
-
-    parser = argparse.ArgumentParser(
-        description="Export a lambjax training workdir's newest checkpoint to transformers."
-    )
-    parser.add_argument("--workdir", required=True)
-    parser.add_argument("--out", required=True)
-    args = parser.parse_args(argv)
-    try:
-        print(export_workdir(args.workdir, args.out))
-    except (FileNotFoundError, ValueError) as error:
-        raise SystemExit(f"lambjax.models.hf: error: {error}") from None
-
-
-if __name__ == "__main__":
-    main()

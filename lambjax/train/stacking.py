@@ -2,8 +2,8 @@
 
 A stage is a phase with its own encoder depth (`phases.NAME.num_layers`) and a number of
 bottom layers that only run forward (`phases.NAME.frozen_layers`). Going into a deeper stage
-copies the current top layers on top (`lambjax.models.bert.grow_layers`); the layers of the
-earlier stages become frozen.
+copies the current top layers on top (`grow_layers`); the layers of the earlier stages become
+frozen.
 
 With `frozen_layers = n > 0` the *trainable view* of the parameters is
 
@@ -24,11 +24,14 @@ References:
   Training Speedup", 2020 (arXiv 2011.13635).
 """
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+
+from lambjax.models.bert import BertConfig
 
 
 def _take_layers(x, index: slice):
@@ -65,3 +68,23 @@ def merge(trainable: dict, frozen: dict | None, concatenate=_concatenate_layers)
     layers = jax.tree.map(concatenate, frozen["layers"], trainable["encoder"]["layers"])
     encoder = {**trainable["encoder"], "layers": layers}
     return {"embeddings": frozen["embeddings"], "encoder": encoder, "heads": trainable["heads"]}
+
+
+def grow_layers(config: BertConfig, params: dict, num_layers: int) -> tuple[BertConfig, dict]:
+    """Deepens the encoder to `num_layers` by copying the current top layers on top.
+
+    With n current layers and k = num_layers - n new ones (k <= n), new layer n + i is a
+    copy of layer n - k + i: the top k layers are repeated in order (3 -> 6 stacks layers
+    0..2 again; 6 -> 8 copies layers 4, 5). For k > n the rule repeats.
+    """
+    current = config.num_layers
+    if num_layers < current:
+        raise ValueError(f"grow_layers: num_layers={num_layers} < current depth {current}")
+    sources = list(range(current))
+    while len(sources) < num_layers:
+        k = min(num_layers - len(sources), len(sources))
+        sources += sources[len(sources) - k :]
+    index = jnp.asarray(sources)
+    grown = jax.tree.map(lambda x: x[index], params["encoder"]["layers"])
+    params = {**params, "encoder": {**params["encoder"], "layers": grown}}
+    return dataclasses.replace(config, num_layers=num_layers), params

@@ -8,7 +8,7 @@ import pytest
 import torch
 import transformers
 
-from lambjax.models import bert, hf
+from lambjax.models import bert, hf, pretraining
 
 HF_CONFIG = dict(
     vocab_size=99,
@@ -65,7 +65,7 @@ def ours(config, params, batch):
     hidden = bert.encode(
         config, params, jbatch["input_ids"], jbatch["segment_ids"], jbatch["input_mask"]
     )
-    mlm, nsp = bert.pretraining_logits(config, params, jbatch)
+    mlm, nsp = pretraining.pretraining_logits(config, params, jbatch)
     return np.asarray(hidden), np.asarray(mlm), np.asarray(nsp)
 
 

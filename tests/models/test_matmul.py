@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from lambjax.models import bert, matmul
+from lambjax.models import bert, matmul, pretraining
 
 
 def bf16_values(shape, seed):
@@ -127,7 +127,7 @@ def test_the_mlm_decoder_and_its_gradients_keep_bfloat16_operands():
     }
 
     def loss(params):
-        return bert.pretraining_stats(config, params, batch)["mlm_loss_sum"]
+        return pretraining.pretraining_stats(config, params, batch)["mlm_loss_sum"]
 
     hlo = jax.jit(jax.value_and_grad(loss)).lower(params).compile().as_text()
     types = dot_operand_types(hlo, output_dimension=1000)  # the vocabulary axis

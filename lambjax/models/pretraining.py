@@ -1,0 +1,92 @@
+"""BERT's pretraining objectives on top of the encoder: masked LM and next-sentence loss.
+
+`pretraining_stats` returns sums (not means) over a batch, so a caller can add
+micro-batches up exactly and normalise by counts over the global batch
+(lambjax.train.step).
+"""
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from lambjax.models import bert
+from lambjax.models.bert import BertConfig
+
+
+def _vocab_major_logits(config: BertConfig, params: dict, batch: dict, **encoder_kwargs):
+    """(MLM logits [V, B * P] at the masked positions, NSP logits [B, 2]), float32."""
+    h = bert.encoder_outputs(
+        config,
+        params,
+        batch["input_ids"],
+        batch["segment_ids"],
+        batch["input_mask"],
+        **encoder_kwargs,
+    )
+    return bert.Heads(config).apply(
+        {"params": params["heads"]},
+        h,
+        batch["masked_lm_positions"],
+        params["embeddings"]["word"]["embedding"],
+    )
+
+
+def pretraining_logits(config: BertConfig, params: dict, batch: dict, **encoder_kwargs):
+    """(MLM logits [B, P, V] at the masked positions, NSP logits [B, 2]), float32."""
+    mlm_logits, nsp_logits = _vocab_major_logits(config, params, batch, **encoder_kwargs)
+    shape = batch["masked_lm_positions"].shape + (config.vocab_size,)
+    return mlm_logits.T.reshape(shape), nsp_logits
+
+
+def _cross_entropy(logits, labels, axis: int):
+    """(negative log-likelihood, hit) of integer `labels` under `logits` along `axis`.
+
+    The label's logit is picked with a one-hot compare, not a gather: its gradient is then
+    part of the one elementwise pass softmax - one_hot, where a gather's is a scatter into
+    a zero tensor as large as the logits. A hit is a label whose logit is the largest.
+    """
+    classes = jax.lax.broadcasted_iota(labels.dtype, logits.shape, axis % logits.ndim)
+    one_hot = classes == jnp.expand_dims(labels, axis)
+    label_logits = jnp.sum(jnp.where(one_hot, logits, 0.0), axis=axis)
+    nll = jax.nn.logsumexp(logits, axis=axis) - label_logits
+    hits = label_logits >= jnp.max(logits, axis=axis)
+    return nll, hits.astype(jnp.float32)
+
+
+def pretraining_stats(
+    config: BertConfig,
+    params: dict,
+    batch: dict,
+    *,
+    dropout_rng=None,
+    layer_keep=None,
+    layer_scale=None,
+    num_frozen_layers: int = 0,
+) -> dict[str, Any]:
+    """Sums (not means) of the MLM and NSP losses and hits over the batch, float32.
+
+    Sums let a caller add micro-batches up exactly and normalise by global counts.
+    """
+    mlm_logits, nsp_logits = _vocab_major_logits(
+        config,
+        params,
+        batch,
+        dropout_rng=dropout_rng,
+        layer_keep=layer_keep,
+        layer_scale=layer_scale,
+        num_frozen_layers=num_frozen_layers,
+    )
+    weights = batch["masked_lm_weights"].astype(jnp.float32).reshape(-1)
+    mlm_nll, mlm_hits = _cross_entropy(mlm_logits, batch["masked_lm_ids"].reshape(-1), axis=0)
+    nsp_nll, nsp_hits = _cross_entropy(
+        nsp_logits, batch["next_sentence_labels"].reshape(-1), axis=-1
+    )
+    return {
+        "mlm_loss_sum": jnp.sum(mlm_nll * weights),
+        "mlm_weight_sum": jnp.sum(weights),
+        "mlm_correct_sum": jnp.sum(mlm_hits * weights),
+        "nsp_loss_sum": jnp.sum(nsp_nll),
+        "nsp_correct_sum": jnp.sum(nsp_hits),
+        "nsp_count": jnp.float32(nsp_nll.shape[0]),
+    }
