@@ -1,11 +1,13 @@
-"""Joining JAX's multi-controller runtime (one process per host, or per GPU under SLURM).
+"""The processes of a run: joining JAX's multi-controller runtime, barriers, stop requests.
 
 `initialize` must run before anything touches a JAX backend. Explicit arguments win; else
 the cluster is detected from the environment (Cloud TPU VM pods, SLURM) by JAX itself; with
-neither, the run is a single process.
+neither, the run is a single process. JAX is imported inside the functions: `lambjax.main`
+imports this module before it sets up host memory, which must precede JAX's threads.
 """
 
 import os
+import signal
 
 from absl import logging
 
@@ -54,3 +56,41 @@ def platform() -> str:
     if os.path.exists("/dev/accel0"):
         return "tpu"
     return "gpu" if os.path.exists("/dev/nvidia0") else "cpu"
+
+
+def barrier(name: str) -> None:
+    """Returns once every process has reached the barrier `name`; at once with one process."""
+    import jax
+
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        multihost_utils.sync_global_devices(name)
+
+
+class StopRequest:
+    """SIGTERM handling: the training loop asks `requested(step)` at every step boundary.
+
+    With one process a Python signal handler sets a flag. With several, JAX's preemption
+    sync point makes every process agree on the same step to stop at (the coordination
+    service relays the SIGTERM any one of them received).
+    """
+
+    def __init__(self):
+        import jax
+
+        self._multi_process = jax.process_count() > 1
+        self._signalled = False
+        if not self._multi_process:
+            signal.signal(signal.SIGTERM, self._on_sigterm)
+
+    def _on_sigterm(self, signum, frame):
+        logging.warning("SIGTERM received: saving at the next step boundary, then exiting.")
+        self._signalled = True
+
+    def requested(self, step: int) -> bool:
+        if not self._multi_process:
+            return self._signalled
+        from jax.experimental import multihost_utils
+
+        return multihost_utils.reached_preemption_sync_point(step)

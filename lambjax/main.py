@@ -49,6 +49,7 @@ def main(argv):
     from lambjax.data import DataError
     from lambjax.train import trainer
     from lambjax.train.config import ConfigError
+    from lambjax.train.phases import MissingPhaseCheckpoint
 
     logging.info(
         "lambjax: process %d of %d, %d local / %d global devices (%s)",
@@ -60,7 +61,7 @@ def main(argv):
     )
     try:
         trainer.train_and_evaluate(_CONFIG.value, _WORKDIR.value)
-    except (ConfigError, DataError, trainer.TrainingStopped) as error:
+    except (ConfigError, DataError, MissingPhaseCheckpoint, trainer.TrainingStopped) as error:
         # User errors end with one line, not a traceback.
         print(f"lambjax: error: {error}", file=sys.stderr)
         sys.exit(2)

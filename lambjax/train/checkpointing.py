@@ -24,6 +24,8 @@ import orbax.checkpoint as ocp
 from absl import logging
 from etils import epath
 
+from lambjax import distributed
+
 
 @dataclasses.dataclass
 class Restored:
@@ -59,9 +61,6 @@ class PhaseCheckpoints:
     def steps(self) -> list[int]:
         return list(self._manager.all_steps())
 
-    def latest_step(self) -> int | None:
-        return self._manager.latest_step()
-
     def save(self, step: int, state, data_state: dict, meta: dict) -> None:
         if step in self._manager.all_steps():
             return  # already saved (e.g. the phase end right after a periodic save)
@@ -73,9 +72,6 @@ class PhaseCheckpoints:
                 meta=ocp.args.JsonSave(meta),
             ),
         )
-
-    def wait(self) -> None:
-        self._manager.wait_until_finished()
 
     def close(self) -> None:
         self._manager.wait_until_finished()
@@ -118,40 +114,22 @@ class PhaseCheckpoints:
             str(error).splitlines()[0][:300] if str(error) else "",
             target,
         )
-        sync("quarantine-start")
+        distributed.barrier("quarantine-start")
         if jax.process_index() == 0:
             target.parent.mkdir(parents=True, exist_ok=True)
             if target.exists():
                 target = target.parent / f"{step}.{int(time.time())}"
             source.rename(target)
-        sync("quarantine-done")
+        distributed.barrier("quarantine-done")
         self._manager.close()
         self._manager = self._open()
-
-
-def sync(name: str) -> None:
-    if jax.process_count() > 1:
-        from jax.experimental import multihost_utils
-
-        multihost_utils.sync_global_devices(name)
-
-
-def abstract_with_shardings(abstract_tree, shardings):
-    return jax.tree.map(
-        lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract_tree, shardings
-    )
-
-
-def final_step_of(workdir: str, phase_name: str, num_steps: int) -> bool:
-    """Whether `phase_name` finished: a checkpoint at its last step exists."""
-    return (checkpoint_dir(workdir, phase_name) / str(num_steps)).exists()
 
 
 def latest_params(workdir: str) -> tuple[dict, dict]:
     """(meta, params as numpy) of the newest readable checkpoint of a training workdir.
 
     Phases are searched from the last of the run's `phase_order` backwards; the arrays are
-    read onto the host, whatever mesh wrote them (for export, e.g. lambjax.models.hf).
+    read onto the host, whatever mesh wrote them (for export: lambjax.export).
     """
     root = epath.Path(workdir) / "checkpoints"
     phase_dirs = (

@@ -1,10 +1,11 @@
 """The pure train and eval steps. Only the trainer jits them (with shardings and donation).
 
-Gradient accumulation: the global batch [G, ...] is split into `grad_accum_steps` micro-batches
-that a `lax.scan` walks through, summing gradients; the update is applied once after the scan.
-Losses are sums over the micro-batch divided by counts over the *global* batch, so the
-accumulated gradient is exactly the gradient of the global-batch loss, whatever the number of
-micro-batches or devices.
+Gradient accumulation (`accumulate_gradients`): the global batch [G, ...] is split into
+`grad_accum_steps` micro-batches that a `lax.scan` walks through, summing gradients. Losses
+are sums over the micro-batch divided by counts over the *global* batch, so the accumulated
+gradient is exactly the gradient of the global-batch loss, whatever the number of
+micro-batches or devices. The update is applied once, after the scan, and only if the loss
+and gradient are finite (`apply_if_finite`).
 
 Two layer-level training schemes plug in here: progressive layer dropping
 (`layer_drop`, lambjax.train.layer_drop) draws which layers each micro-batch runs, and
@@ -12,17 +13,18 @@ multi-stage layerwise training (`num_frozen_layers`, lambjax.train.stacking) dif
 and updates only the parameters above the frozen bottom layers.
 """
 
-from typing import Any
+from collections.abc import Callable
 
-import flax.struct
 import jax
 import jax.numpy as jnp
 import optax
 
 from lambjax import optim
-from lambjax.models import bert
+from lambjax.models import pretraining
+from lambjax.models.bert import BertConfig
 from lambjax.train import stacking
 from lambjax.train.layer_drop import LayerDrop
+from lambjax.train.state import TrainState
 
 STAT_KEYS = (
     "mlm_loss_sum",
@@ -33,25 +35,8 @@ STAT_KEYS = (
     "nsp_count",
 )
 
-
-class TrainState(flax.struct.PyTreeNode):
-    step: jax.Array  # optimizer steps taken in the current phase
-    params: Any
-    opt_state: Any
-    consecutive_nonfinite: jax.Array  # steps in a row whose update was skipped
-    total_nonfinite: jax.Array
-
-    @classmethod
-    def create(
-        cls, params, optimizer: optax.GradientTransformation, num_frozen_layers: int = 0
-    ) -> "TrainState":
-        """A fresh state; the optimizer state covers only what is trained (see stacking)."""
-
-        def zero():
-            return jnp.zeros((), jnp.int32)
-
-        trainable, _ = stacking.split(params, num_frozen_layers)
-        return cls(zero(), params, optimizer.init(trainable), zero(), zero())
+# fold_in constant separating PLD's draws from the dropout keys of the same micro-batch.
+_LAYER_DROP_STREAM = 0x504C44
 
 
 def split_microbatches(batch: dict, num_microbatches: int) -> dict:
@@ -80,12 +65,74 @@ def metrics_from_stats(stats: dict) -> dict:
     }
 
 
+def accumulate_gradients(
+    grad_fn: Callable, trainable, batch: dict, rng: jax.Array, grad_accum_steps: int, stat_keys
+):
+    """(Summed gradients, summed statistics) of `grad_fn(trainable, microbatch, rng)` over
+    the micro-batches of `batch`; micro-batch i draws its randomness from fold_in(rng, i)."""
+    if grad_accum_steps == 1:
+        return grad_fn(trainable, batch, jax.random.fold_in(rng, 0))
+
+    def accumulate(carry, xs):
+        microbatch, index = xs
+        grads, stats = grad_fn(trainable, microbatch, jax.random.fold_in(rng, index))
+        return jax.tree.map(jnp.add, carry, (grads, stats)), None
+
+    zeros = jax.tree.map(
+        jnp.zeros_like, (trainable, {k: jnp.zeros((), jnp.float32) for k in stat_keys})
+    )
+    xs = (split_microbatches(batch, grad_accum_steps), jnp.arange(grad_accum_steps))
+    (grads, stats), _ = jax.lax.scan(accumulate, zeros, xs)
+    return grads, stats
+
+
+def apply_if_finite(
+    state: TrainState,
+    grads,
+    loss: jax.Array,
+    optimizer: optax.GradientTransformation,
+    num_frozen_layers: int,
+) -> tuple[TrainState, dict]:
+    """The optimizer update, or none at all where the loss or the gradient is not finite.
+
+    A skipped step leaves parameters and optimizer state untouched and counts in
+    `consecutive_nonfinite` / `total_nonfinite`. Returns the new state and its metrics.
+    """
+    trainable, frozen = stacking.split(state.params, num_frozen_layers)
+    grad_norm = optax.global_norm(grads)
+    finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+
+    def apply_update(_):
+        updates, opt_state = optimizer.update(grads, state.opt_state, trainable)
+        params = stacking.merge(optax.apply_updates(trainable, updates), frozen)
+        return params, opt_state, optax.global_norm(updates)
+
+    def skip_update(_):
+        return state.params, state.opt_state, jnp.zeros((), jnp.float32)
+
+    # A cond, not a select: only the taken branch runs, so a normal step costs no extra pass.
+    params, opt_state, update_norm = jax.lax.cond(finite, apply_update, skip_update, None)
+    new_state = state.replace(
+        step=state.step + 1,
+        params=params,
+        opt_state=opt_state,
+        consecutive_nonfinite=jnp.where(finite, 0, state.consecutive_nonfinite + 1),
+        total_nonfinite=state.total_nonfinite + (~finite).astype(jnp.int32),
+    )
+    metrics = {
+        "grad_norm": grad_norm,
+        "update_norm": update_norm,
+        "nonfinite": (~finite).astype(jnp.float32),
+    }
+    return new_state, metrics
+
+
 def train_step(
     state: TrainState,
     batch: dict,
     rng: jax.Array,
     *,
-    model_config: bert.BertConfig,
+    model_config: BertConfig,
     optimizer: optax.GradientTransformation,
     schedule: optax.Schedule,
     grad_accum_steps: int,
@@ -106,7 +153,7 @@ def train_step(
             pld_rng = jax.random.fold_in(microbatch_rng, _LAYER_DROP_STREAM)
             keep, scale = layer_drop.sample(pld_rng, state.step, model_config.num_layers)
             layers = {"layer_keep": keep, "layer_scale": scale}
-        stats = bert.pretraining_stats(
+        stats = pretraining.pretraining_stats(
             model_config,
             stacking.merge(trainable, frozen),
             microbatch,
@@ -122,62 +169,23 @@ def train_step(
         return loss, stats
 
     grad_fn = jax.grad(loss_fn, has_aux=True)
-
-    if grad_accum_steps == 1:
-        grads, stats = grad_fn(trainable, batch, jax.random.fold_in(step_rng, 0))
-    else:
-
-        def accumulate(carry, xs):
-            microbatch, index = xs
-            grads, stats = grad_fn(trainable, microbatch, jax.random.fold_in(step_rng, index))
-            return jax.tree.map(jnp.add, carry, (grads, stats)), None
-
-        zeros = jax.tree.map(
-            jnp.zeros_like, (trainable, {k: jnp.zeros((), jnp.float32) for k in stat_keys})
-        )
-        xs = (split_microbatches(batch, grad_accum_steps), jnp.arange(grad_accum_steps))
-        (grads, stats), _ = jax.lax.scan(accumulate, zeros, xs)
-
+    grads, stats = accumulate_gradients(
+        grad_fn, trainable, batch, step_rng, grad_accum_steps, stat_keys
+    )
     metrics = metrics_from_stats(stats)
     loss = metrics["mlm_loss"] + nsp_loss_weight * metrics["nsp_loss"]
-    grad_norm = optax.global_norm(grads)
-    finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
-
-    def apply_update(_):
-        updates, opt_state = optimizer.update(grads, state.opt_state, trainable)
-        params = stacking.merge(optax.apply_updates(trainable, updates), frozen)
-        return params, opt_state, optax.global_norm(updates)
-
-    def skip_update(_):
-        return state.params, state.opt_state, jnp.zeros((), jnp.float32)
-
-    # A non-finite loss or gradient leaves parameters and optimizer state untouched. A cond,
-    # not a select: only the taken branch runs, so a normal step costs no extra pass.
-    new_params, new_opt_state, update_norm = jax.lax.cond(finite, apply_update, skip_update, None)
-    new_state = state.replace(
-        step=state.step + 1,
-        params=new_params,
-        opt_state=new_opt_state,
-        consecutive_nonfinite=jnp.where(finite, 0, state.consecutive_nonfinite + 1),
-        total_nonfinite=state.total_nonfinite + (~finite).astype(jnp.int32),
-    )
+    new_state, update_metrics = apply_if_finite(state, grads, loss, optimizer, num_frozen_layers)
     metrics.update(
         loss=loss,
         learning_rate=schedule(state.step),
-        grad_norm=grad_norm,
-        update_norm=update_norm,
         param_norm=optax.global_norm(state.params),
-        nonfinite=(~finite).astype(jnp.float32),
+        **update_metrics,
     )
     if layer_drop is not None:
         metrics["pld_theta"] = layer_drop.theta(state.step)
         metrics["pld_layers_run"] = stats["layers_run_sum"] / grad_accum_steps
-    metrics.update(trust_ratio_metrics(new_opt_state))
+    metrics.update(trust_ratio_metrics(new_state.opt_state))
     return new_state, metrics
-
-
-# fold_in constant separating PLD's draws from the dropout keys of the same micro-batch.
-_LAYER_DROP_STREAM = 0x504C44
 
 
 def trust_ratio_metrics(opt_state) -> dict:
@@ -192,6 +200,6 @@ def trust_ratio_metrics(opt_state) -> dict:
     return metrics
 
 
-def eval_step(params, batch: dict, *, model_config: bert.BertConfig) -> dict:
+def eval_step(params, batch: dict, *, model_config: BertConfig) -> dict:
     """Sums of the MLM/NSP statistics over one batch (no dropout); callers add them up."""
-    return bert.pretraining_stats(model_config, params, batch)
+    return pretraining.pretraining_stats(model_config, params, batch)

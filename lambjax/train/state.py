@@ -1,0 +1,91 @@
+"""The train state, its abstract form (`jax.eval_shape`) and its shardings.
+
+The shardings of every leaf come from the model's logical axis names and the one rules table
+in lambjax.sharding: parameters by their axes, optimizer moments like the parameter they
+mirror, everything else (step counters, per-layer trust ratios) replicated.
+"""
+
+from typing import Any
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import optax
+
+from lambjax import sharding
+from lambjax.train import stacking
+
+
+class TrainState(flax.struct.PyTreeNode):
+    step: jax.Array  # optimizer steps taken in the current phase
+    params: Any
+    opt_state: Any  # covers the trainable view of params only (lambjax.train.stacking)
+    consecutive_nonfinite: jax.Array  # steps in a row whose update was skipped
+    total_nonfinite: jax.Array
+
+    @classmethod
+    def create(
+        cls,
+        params,
+        optimizer: optax.GradientTransformation,
+        num_frozen_layers: int = 0,
+        *,
+        opt_state=None,
+    ) -> "TrainState":
+        """A state at step 0. Its optimizer state is fresh, for the trainable view of
+        `params` only (lambjax.train.stacking), or `opt_state` where given (moments kept
+        from an earlier phase)."""
+        if opt_state is None:
+            opt_state = optimizer.init(stacking.split(params, num_frozen_layers)[0])
+
+        def zero():
+            return jnp.zeros((), jnp.int32)
+
+        return cls(zero(), params, opt_state, zero(), zero())
+
+
+def shardings(
+    abstract: TrainState,
+    *,
+    param_axes,
+    mesh: jax.sharding.Mesh,
+    optimizer: optax.GradientTransformation,
+    num_frozen_layers: int,
+) -> TrainState:
+    """A NamedSharding for every leaf of `abstract` (a TrainState of ShapeDtypeStructs)."""
+    param_shardings = sharding.tree_shardings(abstract.params, param_axes, mesh)
+    replicated = sharding.replicated(mesh)
+
+    def like_param(leaf, param, param_sharding):
+        # Moments mirror their parameter; anything else there (e.g. per-layer ratios) is small.
+        return param_sharding if leaf.shape == param.shape else replicated
+
+    # The optimizer state covers the trainable view only (all parameters, but in an MSLT
+    # stage). Cutting layers off a stacked leaf keeps its sharding: `layers` is not sharded.
+    n = num_frozen_layers
+    trainable_params = jax.eval_shape(lambda p: stacking.split(p, n)[0], abstract.params)
+    trainable_shardings, _ = stacking.split(param_shardings, n, take=lambda s, _: s)
+    opt_shardings = optax.tree_map_params(
+        optimizer,
+        like_param,
+        abstract.opt_state,
+        trainable_params,
+        trainable_shardings,
+        transform_non_params=lambda _: replicated,
+    )
+    return TrainState(
+        step=replicated,
+        params=param_shardings,
+        opt_state=opt_shardings,
+        consecutive_nonfinite=replicated,
+        total_nonfinite=replicated,
+    )
+
+
+def with_shardings(abstract_tree, shardings_tree):
+    """ShapeDtypeStructs that carry their target sharding (what Orbax restores onto)."""
+    return jax.tree.map(
+        lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+        abstract_tree,
+        shardings_tree,
+    )
