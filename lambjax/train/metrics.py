@@ -1,4 +1,5 @@
-"""Metric writing: clu writers (TensorBoard + log) and a JSON-lines copy."""
+"""Where metrics go: TensorBoard and `metrics.jsonl` (every scalar), and the console (one
+readable line per log interval, a summary per phase)."""
 
 import json
 import os
@@ -54,15 +55,78 @@ class JsonlWriter(metric_writers.MetricWriter):
 
 
 def create_writer(workdir: str) -> metric_writers.MetricWriter:
-    """TensorBoard + log on process 0 (and `metrics.jsonl`); log-only elsewhere."""
+    """TensorBoard event files and `metrics.jsonl` in the workdir, on process 0 only."""
     if jax.process_index() > 0:
-        return metric_writers.create_default_writer(workdir, just_logging=True)
+        return metric_writers.MultiWriter([])
     return metric_writers.MultiWriter(
         [
-            metric_writers.create_default_writer(workdir, asynchronous=False),
+            metric_writers.SummaryWriter(workdir),
             JsonlWriter(os.path.join(workdir, "metrics.jsonl")),
         ]
     )
+
+
+def format_duration(seconds: float) -> str:
+    """3725 -> '1h02m', 125 -> '2m05s', 7.2 -> '7s'."""
+    seconds = int(round(seconds))
+    hours, rest = divmod(seconds, 3600)
+    minutes, seconds = divmod(rest, 60)
+    if hours:
+        return f"{hours}h{minutes:02d}m"
+    if minutes:
+        return f"{minutes}m{seconds:02d}s"
+    return f"{seconds}s"
+
+
+def format_count(value: float) -> str:
+    """12345 -> '12.3k', 2.5e6 -> '2.50M'."""
+    if value >= 1e6:
+        return f"{value / 1e6:.2f}M"
+    if value >= 1e3:
+        return f"{value / 1e3:.1f}k"
+    return f"{value:.0f}"
+
+
+def progress_line(
+    phase: str, step: int, num_steps: int, train: dict, eta_phase=None, eta_run=None
+) -> str:
+    """One log interval for a person: where the run is, how it learns, how fast it goes.
+
+    `train` holds the interval's means (loss, mlm_accuracy) and its throughput (tokens_per_s,
+    and mfu where the devices' peak is known); the ETAs are in seconds.
+    """
+    parts = [
+        f"{phase} step {step}/{num_steps}",
+        f"loss {train['loss']:.4f}",
+        f"mlm acc {100 * train['mlm_accuracy']:.1f}%",
+    ]
+    if "tokens_per_s" in train:
+        parts.append(f"{format_count(train['tokens_per_s'])} tok/s")
+    if "mfu" in train:
+        parts.append(f"MFU {100 * train['mfu']:.1f}%")
+    if eta_phase is not None:
+        eta = f"ETA {format_duration(eta_phase)}"
+        if eta_run is not None and eta_run > eta_phase:
+            eta += f" (run ~{format_duration(eta_run)})"
+        parts.append(eta)
+    return " | ".join(parts)
+
+
+def run_summary(phases: list[tuple], workdir: str, checkpoints: str) -> str:
+    """The end of a run for a person: per (phase, step, seconds, eval metrics), one line."""
+    lines = ["Summary:"]
+    for name, step, seconds, eval_metrics in phases:
+        line = f"  {name}: step {step}, {format_duration(seconds)} in this run"
+        if eval_metrics:
+            line += (
+                f"; eval mlm loss {eval_metrics['mlm_loss']:.4f}, "
+                f"mlm acc {100 * eval_metrics['mlm_accuracy']:.1f}%, "
+                f"nsp acc {100 * eval_metrics['nsp_accuracy']:.1f}%"
+            )
+        lines.append(line)
+    lines.append(f"  checkpoints: {checkpoints}")
+    lines.append(f"  TensorBoard: tensorboard --logdir {workdir} (every scalar: metrics.jsonl)")
+    return "\n".join(lines)
 
 
 def read_jsonl(path: str) -> dict[int, dict]:
