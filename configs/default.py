@@ -7,10 +7,11 @@ rates suit this small batch (the paper's are for batch 65,536).
 """
 
 from lambjax.train import config as config_lib
-from lambjax.train import recipes
+from lambjax.train import variants
 
 
 def get_config(arg=None):
+    _, names = variants.parse_arg(arg)
     config = config_lib.base_config()
     config.model.preset = "tiny"
     # Computes in bfloat16 (float32 parameters), the default: on XLA:CPU this model's step
@@ -44,4 +45,4 @@ def get_config(arg=None):
     config.eval_every_steps = 100
     config.eval_batch_size = 16
     config.checkpoint_every_steps = 100
-    return recipes.apply_variant(config, arg)
+    return variants.apply(config, names)

@@ -14,8 +14,8 @@ A config is an `ml_collections.ConfigDict`:
               bottom layers of a multi-stage layerwise training stage: lambjax.train.stacking)
   phase_order: the phase names in the order they run.
 
-The recipes (NVIDIA LAMB, LANS) and the variants every config accepts (`runlocal`, `pld`,
-`mslt`) are in lambjax.train.recipes.
+The recipes are the files in configs/; the variants every config accepts (`runlocal`, `pld`,
+`mslt`) are in lambjax.train.variants.
 """
 
 import ml_collections
@@ -144,6 +144,21 @@ def base_config() -> ml_collections.ConfigDict:
     config.peak_flops_per_device = 0.0
     # Capture a profile of a few steps into the workdir (clu Profile action).
     config.profile = False
+    return config
+
+
+def pod_config(preset: str) -> ml_collections.ConfigDict:
+    """The fields of a pod-scale BERT run that are not the optimizer recipe: BERT's
+    vocabulary size, Wikipedia as the corpus, and log/eval/checkpoint intervals."""
+    config = base_config()
+    config.model.preset = preset
+    config.data.source = "tfds:wikipedia/20230601.en"
+    config.data.vocab_size = 30522
+    config.log_every_steps = 10
+    config.eval_every_steps = 500
+    config.eval_batch_size = 1024
+    config.eval_steps = 10
+    config.checkpoint_every_steps = 200
     return config
 
 

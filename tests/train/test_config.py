@@ -18,9 +18,18 @@ def load(path, variant=None):
     return module.get_config(variant)
 
 
-@pytest.mark.parametrize("path", CONFIG_FILES, ids=os.path.basename)
+VARIANTS = [None, "runlocal", "pld", "mslt", "pld,runlocal", "mslt,runlocal"]
+# Every config file with every argument it takes: the recipes' sizes times the variants.
+CONFIG_ARGS = [
+    (path, ",".join(part for part in (size, variant) if part) or None)
+    for path in CONFIG_FILES
+    for size in ((None, "large") if "bert_" in os.path.basename(path) else (None,))
+    for variant in VARIANTS
+]
+
+
 @pytest.mark.parametrize(
-    "variant", [None, "runlocal", "pld", "mslt", "pld,runlocal", "mslt,runlocal"]
+    "path, variant", CONFIG_ARGS, ids=[f"{os.path.basename(p)}:{a}" for p, a in CONFIG_ARGS]
 )
 def test_every_config_and_its_variants_validate(path, variant):
     config = load(path, variant)
@@ -37,7 +46,7 @@ def test_every_config_and_its_variants_validate(path, variant):
 
 
 def test_mslt_stages_of_the_recipes():
-    base = load(os.path.join(CONFIG_DIR, "bert_base_lamb.py"), "mslt")
+    base = load(os.path.join(CONFIG_DIR, "bert_lamb.py"), "mslt")
     stages = [base.phases[name] for name in base.phase_order]
     assert [(s.num_layers, s.frozen_layers) for s in stages] == [
         (3, 0),
@@ -47,13 +56,13 @@ def test_mslt_stages_of_the_recipes():
     ]
     assert sum(s.num_steps for s in stages[:3]) == 7038
     assert [s.optimizer_state for s in stages[1:]] == ["reset"] * 3
-    large = load(os.path.join(CONFIG_DIR, "bert_large_lans.py"), "mslt")
+    large = load(os.path.join(CONFIG_DIR, "bert_lans.py"), "large,mslt")
     depths = [large.phases[name].num_layers for name in large.phase_order]
     assert depths == [6, 12, 18, 24, None]
 
 
 def test_pld_recipe_uses_preln_and_the_papers_settings():
-    config = load(os.path.join(CONFIG_DIR, "bert_base_lamb.py"), "pld")
+    config = load(os.path.join(CONFIG_DIR, "bert_lamb.py"), "base,pld")
     assert config.model.overrides.layer_norm == "pre"
     assert config.layer_drop.theta_bar == 0.5
     assert config.layer_drop.gamma == pytest.approx(100 / (7038 + 1563))
@@ -62,10 +71,21 @@ def test_pld_recipe_uses_preln_and_the_papers_settings():
 def test_unknown_variant_names_the_valid_ones():
     with pytest.raises(config_lib.ConfigError, match=r"\['fast'\].*mslt.*pld.*runlocal"):
         load(os.path.join(CONFIG_DIR, "default.py"), "runlocal,fast")
+    with pytest.raises(config_lib.ConfigError, match=r"'huge'.*base.*large"):
+        load(os.path.join(CONFIG_DIR, "bert_lamb.py"), "huge,mslt")
+    with pytest.raises(config_lib.ConfigError, match=r"\['base', 'large'\].*\(one\)"):
+        load(os.path.join(CONFIG_DIR, "bert_lans.py"), "base,large")
+
+
+def test_recipe_sizes():
+    for path in ("bert_lamb.py", "bert_lans.py"):
+        assert load(os.path.join(CONFIG_DIR, path)).model.preset == "base"
+        assert load(os.path.join(CONFIG_DIR, path), "large").model.preset == "large"
+        assert load(os.path.join(CONFIG_DIR, path), "large,runlocal").model.preset == "tiny"
 
 
 def test_recipes_match_the_published_numbers():
-    lamb = load(os.path.join(CONFIG_DIR, "bert_large_lamb.py"))
+    lamb = load(os.path.join(CONFIG_DIR, "bert_lamb.py"), "large")
     p1, p2 = lamb.phases.phase1, lamb.phases.phase2
     assert (p1.global_batch_size, p1.learning_rate, p1.warmup_fraction, p1.num_steps) == (
         65536,
@@ -80,7 +100,7 @@ def test_recipes_match_the_published_numbers():
         1563,
     )
     assert lamb.optimizer.max_global_norm == 1.0 and lamb.optimizer.weight_decay == 0.01
-    lans = load(os.path.join(CONFIG_DIR, "bert_large_lans.py"))
+    lans = load(os.path.join(CONFIG_DIR, "bert_lans.py"), "large")
     assert lans.optimizer.name == "lans"
     assert lans.phases.phase1.global_batch_size == 98304
     assert lans.phases.phase2.global_batch_size == 32768
@@ -166,5 +186,5 @@ def test_bad_top_level_configs_name_the_value():
     with pytest.raises(config_lib.ConfigError, match="optimizer_state='keep' needs the same"):
         config_lib.validate(config, num_devices=8)
 
-    with pytest.raises(config_lib.ConfigError, match=r"unknown config variant\(s\) \['huge'\]"):
+    with pytest.raises(config_lib.ConfigError, match=r"argument 'huge': \['huge'\] not understood"):
         load(CONFIG_FILES[0], "huge")

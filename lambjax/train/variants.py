@@ -1,26 +1,20 @@
-"""The recipes (NVIDIA's LAMB, LANS) and the variants every config accepts.
+"""The variants every config accepts, and the parsing of a config's argument.
 
-A config file picks a recipe and passes its argument to `apply_variant`:
+A config file's `get_config(arg)` takes a comma-separated argument: the model size where the
+config has several, and any of the variants below (`runlocal` is applied first):
 
-  --config=configs/bert_base_lamb.py                  the recipe as published
-  --config=configs/bert_base_lamb.py:pld              + progressive layer dropping
-  --config=configs/bert_base_lamb.py:mslt             + multi-stage layerwise training
-  --config=configs/bert_base_lamb.py:runlocal         shrunk to run on a CPU in minutes
-  --config=configs/bert_base_lamb.py:pld,runlocal     both (runlocal is applied first)
+  --config=configs/bert_lamb.py:large                 the recipe as published, BERT-large
+  --config=configs/bert_lamb.py:base,pld              + progressive layer dropping
+  --config=configs/bert_lamb.py:large,mslt            + multi-stage layerwise training
+  --config=configs/bert_lamb.py:base,runlocal         shrunk to run on a CPU in minutes
+  --config=configs/bert_lamb.py:large,pld,runlocal    both
 """
 
 import copy
 
 import ml_collections
 
-from lambjax.train.config import (
-    ConfigError,
-    base_config,
-    model_config,
-    optimizer_config,
-    phase_config,
-    with_phases,
-)
+from lambjax.train.config import ConfigError, model_config, with_phases
 
 
 def runlocal(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
@@ -43,84 +37,6 @@ def runlocal(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     config.eval_batch_size = 8
     config.eval_steps = 2
     config.checkpoint_every_steps = 3
-    return config
-
-
-def nvidia_lamb_recipe(preset: str) -> ml_collections.ConfigDict:
-    """NVIDIA's BERT pretraining with LAMB (DeepLearningExamples): 65,536 then 32,768.
-
-    Gradient accumulation here suits 256 devices (micro-batches of 64 x 128 tokens and
-    8 x 512 tokens per device); set grad_accum_steps for your pod.
-    """
-    config = base_config()
-    config.model.preset = preset
-    config.data.source = "tfds:wikipedia/20230601.en"
-    config.data.vocab_size = 30522
-    config.optimizer = optimizer_config("lamb")
-    with_phases(
-        config,
-        phase1=phase_config(
-            max_seq_length=128,
-            max_predictions_per_seq=20,
-            global_batch_size=65536,
-            grad_accum_steps=4,
-            num_steps=7038,
-            learning_rate=6e-3,
-            warmup_fraction=0.2843,
-        ),
-        phase2=phase_config(
-            max_seq_length=512,
-            max_predictions_per_seq=80,
-            global_batch_size=32768,
-            grad_accum_steps=16,
-            num_steps=1563,
-            learning_rate=4e-3,
-            warmup_fraction=0.128,
-        ),
-    )
-    config.log_every_steps = 10
-    config.eval_every_steps = 500
-    config.eval_batch_size = 1024
-    config.eval_steps = 10
-    config.checkpoint_every_steps = 200
-    return config
-
-
-def lans_recipe(preset: str) -> ml_collections.ConfigDict:
-    """LANS (Zheng et al.): batch 96K (98,304) then 33K (32,768), warmup-constant-decay.
-
-    From the paper: the batch sizes and the schedule's shape. The learning rate, warmup and
-    constant fractions are those of the authors' later GluonNLP LANS script (5e-3, 0.05,
-    0.25); the step counts keep NVIDIA's number of samples per phase. Neither is published
-    for the 54-minute run.
-    """
-    config = nvidia_lamb_recipe(preset)
-    config.optimizer = optimizer_config("lans")
-    with_phases(
-        config,
-        phase1=phase_config(
-            max_seq_length=128,
-            max_predictions_per_seq=20,
-            global_batch_size=98304,
-            grad_accum_steps=6,
-            num_steps=4692,
-            learning_rate=5e-3,
-            schedule="warmup_constant_decay",
-            warmup_fraction=0.05,
-            constant_fraction=0.25,
-        ),
-        phase2=phase_config(
-            max_seq_length=512,
-            max_predictions_per_seq=80,
-            global_batch_size=32768,
-            grad_accum_steps=16,
-            num_steps=1563,
-            learning_rate=5e-3,
-            schedule="warmup_constant_decay",
-            warmup_fraction=0.05,
-            constant_fraction=0.25,
-        ),
-    )
     return config
 
 
@@ -161,7 +77,7 @@ def multi_stage(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     re-warms its learning rate and starts a fresh optimizer state (the new layers have none).
     The later phases (phase 2 at sequence 512) train every layer: the final all-layer stage.
     The paper's per-stage step counts and its final stage are not published; these are
-    choices (see README).
+    choices.
     """
     depths = stage_depths(model_config(config, vocab_size=1).num_layers)
     first, *later = config.phase_order
@@ -190,18 +106,23 @@ def multi_stage(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
 VARIANTS = {"runlocal": runlocal, "pld": layer_drop, "mslt": multi_stage}
 
 
-def apply_variant(config: ml_collections.ConfigDict, arg: str | None):
-    """The variants every recipe config accepts (`--config=configs/X.py:VARIANT[,VARIANT]`).
-
-    `runlocal` is applied first, so the others see the shrunk model and step counts.
-    """
+def parse_arg(arg: str | None, sizes: tuple[str, ...] = ()) -> tuple[str | None, list[str]]:
+    """`arg` as (size or None, variant names): `'large,mslt'` -> ('large', ['mslt'])."""
     names = [name.strip() for name in (arg or "").split(",") if name.strip()]
-    unknown = [name for name in names if name not in VARIANTS]
-    if unknown:
+    chosen = [name for name in names if name in sizes]
+    unknown = [name for name in names if name not in sizes and name not in VARIANTS]
+    if unknown or len(chosen) > 1:
+        valid = f"sizes {list(sizes)} (one), " if sizes else ""
         raise ConfigError(
-            f"unknown config variant(s) {unknown} in {arg!r}; valid: {sorted(VARIANTS)}, "
-            f"comma-separated"
+            f"config argument {arg!r}: {unknown or chosen} not understood; valid: "
+            f"{valid}variants {sorted(VARIANTS)}, comma-separated"
         )
+    return (chosen[0] if chosen else None), [name for name in names if name in VARIANTS]
+
+
+def apply(config: ml_collections.ConfigDict, names: list[str]) -> ml_collections.ConfigDict:
+    """Applies the named variants; `runlocal` first, so the others see the shrunk model and
+    step counts."""
     for name in sorted(names, key=lambda name: name != "runlocal"):
         config = VARIANTS[name](config)
     return config

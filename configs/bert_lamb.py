@@ -1,0 +1,51 @@
+"""BERT pretraining with LAMB, NVIDIA's recipe: batch 65,536 at sequence 128, then 32,768 at
+512 (the "76 minutes" schedule of You et al., as NVIDIA's DeepLearningExamples run it).
+
+  python -m lambjax.main --config=configs/bert_lamb.py:large --workdir=gs://BUCKET/run
+  python -m lambjax.main --config=configs/bert_lamb.py:base,runlocal --workdir=/tmp/run
+
+`arg`: the size (`base`, the default, or `large`) and any variants of
+lambjax.train.variants (`runlocal`, `pld`, `mslt`), comma-separated.
+
+Sources: NVIDIA DeepLearningExamples, PyTorch BERT pretraining with LAMB (batch sizes,
+learning rates, warmup proportions, step counts; betas 0.9/0.999, eps 1e-6, weight decay 0.01
+except biases and LayerNorm, which also get no trust ratio; global gradient-norm clip 1.0;
+PolyWarmUpScheduler with power 0.5). You et al., "Large Batch Optimization for Deep
+Learning: Training BERT in 76 minutes", ICLR 2020 (arXiv 1904.00962).
+"""
+
+from lambjax.train import config as config_lib
+from lambjax.train import variants
+
+
+def get_config(arg=None):
+    size, names = variants.parse_arg(arg, sizes=("base", "large"))
+    config = config_lib.pod_config(size or "base")
+    config.optimizer = config_lib.optimizer_config("lamb")
+    # Gradient accumulation here suits 256 devices (micro-batches of 64 x 128 tokens and
+    # 8 x 512 tokens per device); set grad_accum_steps for your pod.
+    config_lib.with_phases(
+        config,
+        phase1=config_lib.phase_config(
+            max_seq_length=128,
+            max_predictions_per_seq=20,
+            global_batch_size=65536,
+            grad_accum_steps=4,
+            num_steps=7038,
+            learning_rate=6e-3,
+            schedule="poly_warmup",
+            warmup_fraction=0.2843,
+        ),
+        phase2=config_lib.phase_config(
+            max_seq_length=512,
+            max_predictions_per_seq=80,
+            global_batch_size=32768,
+            grad_accum_steps=16,
+            num_steps=1563,
+            learning_rate=4e-3,
+            schedule="poly_warmup",
+            warmup_fraction=0.128,
+            optimizer_state="keep",  # phase 2 continues phase 1's moments, step count reset
+        ),
+    )
+    return variants.apply(config, names)
