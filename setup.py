@@ -1,4 +1,9 @@
-"""lambjax: large-batch BERT pretraining (LAMB, LANS) in JAX/Flax."""
+"""lambjax: large-batch BERT pretraining (LAMB, LANS) in JAX/Flax.
+
+`pip install lambjax` gives the optimizers (lambjax.optim) and the model
+(lambjax.models.bert); `lambjax[train]` adds what pretraining needs (data pipeline,
+checkpoints, metrics); `lambjax[hf]` adds `transformers` checkpoint interop.
+"""
 
 import setuptools
 
@@ -6,6 +11,10 @@ INSTALL_REQUIRES = [
     "jax>=0.10,<0.11",
     "flax>=0.12,<0.13",
     "optax>=0.2.5,<0.3",
+    "numpy>=1.26",
+]
+
+TRAIN_REQUIRES = [
     "orbax-checkpoint>=0.12,<0.13",
     "tensorflow-datasets>=4.9,<4.10",
     "importlib_resources",  # needed by tensorflow-datasets builders, not declared by it
@@ -18,20 +27,18 @@ INSTALL_REQUIRES = [
     "tensorboard>=2.16,<3",
     "tokenizers>=0.20,<1",
     "safetensors>=0.4",
-    "numpy>=1.26",
     "absl-py>=1.4",
+    "etils[epath]",  # lambjax.train.checkpointing uses epath directly
 ]
 
+# Import from / export to PyTorch `transformers` checkpoints (lambjax.models.hf).
+HF_REQUIRES = ["torch==2.13.0", "transformers>=5,<6", "safetensors>=0.4", "absl-py>=1.4"]
+
 EXTRAS_REQUIRE = {
-    # Import from / export to PyTorch `transformers` checkpoints.
-    "hf": ["torch==2.13.0", "transformers>=5,<6"],
-    "test": [
-        "pytest>=8",
-        "pytest-xdist>=3.5",
-        "ruff>=0.6",
-        "torch==2.13.0",
-        "transformers>=5,<6",
-    ],
+    "train": TRAIN_REQUIRES,
+    "hf": HF_REQUIRES,
+    # The test suite covers training and the interop as well as the optimizers.
+    "test": ["pytest>=8", "pytest-xdist>=3.5", "ruff>=0.6", *TRAIN_REQUIRES, *HF_REQUIRES],
 }
 
 setuptools.setup(

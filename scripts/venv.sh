@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Creates (or refreshes) the project's virtual environment in .venv and installs lambjax
-# with its test extras. Re-runs pip only when setup.py changed since the last install.
+# with everything: training (`train`), the tests and `transformers` interop (`test`).
+# Re-runs pip only when setup.py changed since the last install.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 python="${PYTHON:-$(command -v python3.11 || command -v python3)}"
@@ -11,6 +12,6 @@ stamp=.venv/.lambjax-installed
 want=$(sha256sum setup.py | cut -d' ' -f1)
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   .venv/bin/python -m pip install --quiet --upgrade pip
-  .venv/bin/python -m pip install --quiet -e ".[test]"
+  .venv/bin/python -m pip install --quiet -e ".[train,test]"
   echo "$want" > "$stamp"
 fi
