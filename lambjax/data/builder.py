@@ -10,6 +10,7 @@ documents out (`validation_fraction` of them, chosen by a hash of the document i
 
 import concurrent.futures
 import dataclasses
+import functools
 import hashlib
 import json
 import multiprocessing
@@ -83,18 +84,16 @@ def prepare(data_config, max_seq_length: int, *, data_dir: str | None = None) ->
     data_dir = data_dir or config.get("data_dir") or default_data_dir()
     _check_config(config)
     fingerprint = sources.fingerprint(config["source"], tfds_data_dir=config["tfds_data_dir"])
-    documents = None
 
-    def load_documents():
-        nonlocal documents
-        if documents is None:
-            documents, skipped = sources.read_documents(
-                config["source"], tfds_data_dir=config["tfds_data_dir"]
-            )
-            if not documents:
-                raise DataError(f"config.data.source={config['source']!r} holds no text")
-            for reason, count in skipped.items():
-                logging.warning("Data build skipped %d %s", count, reason)
+    @functools.cache
+    def load_documents():  # only when the vocabulary or the examples must be built
+        documents, skipped = sources.read_documents(
+            config["source"], tfds_data_dir=config["tfds_data_dir"]
+        )
+        if not documents:
+            raise DataError(f"config.data.source={config['source']!r} holds no text")
+        for reason, count in skipped.items():
+            logging.warning("Data build skipped %d %s", count, reason)
         return documents
 
     vocab_file = _vocab_file(config, fingerprint, data_dir, load_documents)
@@ -117,14 +116,10 @@ def prepare(data_config, max_seq_length: int, *, data_dir: str | None = None) ->
         "shard_documents": config["build_shard_documents"],
     }
     key = "k" + hashlib.sha256(json.dumps(inputs, sort_keys=True).encode()).hexdigest()[:16]
-
-    def make_examples():
-        return _split_examples(load_documents(), tokenizer, options, config)
-
     builder = PretrainingExamples(
         key=key,
         description=json.dumps({**inputs, "source": config["source"]}),
-        make_examples=make_examples,
+        make_examples=lambda: _split_examples(load_documents(), tokenizer, options, config),
         data_dir=data_dir,
         file_format="array_record",
     )
@@ -137,10 +132,9 @@ def prepare(data_config, max_seq_length: int, *, data_dir: str | None = None) ->
                 try_download_gcs=False, verify_ssl=False, max_examples_per_split=None
             )
         )
-    data_sources = {split: builder.as_data_source(split=split) for split in builder.info.splits}
     vocab = tokenizer.get_vocab()
     return Prepared(
-        data_sources=data_sources,
+        data_sources={split: builder.as_data_source(split=split) for split in builder.info.splits},
         vocab_file=vocab_file,
         vocab_size=tokenizer.get_vocab_size(),
         special_ids=special,

@@ -72,13 +72,33 @@ def make_iterator(
         )
     if not 0 <= process_index < process_count:
         raise DataError(f"process_index={process_index} must lie in [0, {process_count})")
-    source = prepared.data_sources[split]
-    num_examples = len(source)
-    batches_per_epoch = num_examples // global_batch_size
-    local_batch = global_batch_size // process_count
+    reader = _BatchReader(
+        prepared,
+        split=split,
+        global_batch_size=global_batch_size,
+        local_batch_size=global_batch_size // process_count,
+        process_index=process_index,
+        seed=seed,
+        options=masking_options(prepared, max_predictions_per_seq),
+    )
     epochs = _UNBOUNDED_EPOCHS if num_epochs is None else num_epochs
-    num_batches = batches_per_epoch * epochs
-    options = masking.MaskingOptions(
+    num_batches = reader.batches_per_epoch * epochs
+
+    def make(start_step: int):
+        if reader.batches_per_epoch == 0:
+            return iter(())
+        dataset = grain.MapDataset.range(start_step, num_batches).map(reader.read_batch)
+        # Threads read (and mask) batches ahead of the training step; 0 reads synchronously.
+        options = grain.ReadOptions(
+            num_threads=read_threads, prefetch_buffer_size=4 if read_threads else 0
+        )
+        return iter(dataset.to_iter_dataset(options))
+
+    return BatchIterator(make, reader.batches_per_epoch, num_batches)
+
+
+def masking_options(prepared: Prepared, max_predictions_per_seq: int) -> masking.MaskingOptions:
+    return masking.MaskingOptions(
         vocab_size=prepared.vocab_size,
         mask_id=prepared.special_ids["mask"],
         special_ids=tuple(sorted(set(prepared.special_ids.values()))),
@@ -87,43 +107,66 @@ def make_iterator(
         continuation_ids=prepared.continuation_ids,
         whole_word_masking=prepared.data_config["whole_word_masking"],
     )
-    seq_len = prepared.max_seq_length
-    pad_id = prepared.special_ids["pad"]
-    records = source.data_source  # the ArrayRecord reader under the TFDS source
-    permutations: dict[int, np.ndarray] = {}
 
-    def rows_of(step: int) -> tuple[np.ndarray, np.ndarray]:
+
+class _BatchReader:
+    """Reads, pads and masks this process's rows of global batch `step` of one split."""
+
+    def __init__(
+        self,
+        prepared: Prepared,
+        *,
+        split: str,
+        global_batch_size: int,
+        local_batch_size: int,
+        process_index: int,
+        seed: int,
+        options: masking.MaskingOptions,
+    ):
+        source = prepared.data_sources[split]
+        self.records = source.data_source  # the ArrayRecord reader under the TFDS source
+        self.num_examples = len(source)
+        self.batches_per_epoch = self.num_examples // global_batch_size
+        self.global_batch_size, self.local_batch_size = global_batch_size, local_batch_size
+        self.process_index, self.seed, self.options = process_index, seed, options
+        self.seq_len = prepared.max_seq_length
+        self.pad_id = prepared.special_ids["pad"]
+        self.permutations: dict[int, np.ndarray] = {}
+
+    def rows_of(self, step: int) -> tuple[np.ndarray, np.ndarray]:
         """(epoch, example index) of this process's rows of global batch `step`."""
-        first = step * global_batch_size + process_index * local_batch
+        local_batch = self.local_batch_size
+        first = step * self.global_batch_size + self.process_index * local_batch
         positions = np.arange(first, first + local_batch)
-        epochs, offsets = np.divmod(positions, batches_per_epoch * global_batch_size)
+        epochs, offsets = np.divmod(positions, self.batches_per_epoch * self.global_batch_size)
         indices = np.empty(local_batch, np.int64)
         for epoch in np.unique(epochs):
-            if epoch not in permutations:
-                if len(permutations) > 1:
-                    permutations.clear()  # an epoch or two at a time is enough
-                permutations[epoch] = np.random.default_rng([seed, epoch]).permutation(num_examples)
+            if epoch not in self.permutations:
+                if len(self.permutations) > 1:
+                    self.permutations.clear()  # an epoch or two at a time is enough
+                rng = np.random.default_rng([self.seed, epoch])
+                self.permutations[epoch] = rng.permutation(self.num_examples)
             rows = epochs == epoch
-            indices[rows] = permutations[epoch][offsets[rows]]
+            indices[rows] = self.permutations[epoch][offsets[rows]]
         return epochs, indices
 
-    def read_batch(step: int) -> dict:
-        """Reads, pads and masks this process's rows of global batch `step`."""
-        epochs, indices = rows_of(step)
-        ids = np.full((local_batch, seq_len), pad_id, np.int32)
+    def read_batch(self, step: int) -> dict:
+        epochs, indices = self.rows_of(step)
+        local_batch, seq_len = self.local_batch_size, self.seq_len
+        ids = np.full((local_batch, seq_len), self.pad_id, np.int32)
         segments = np.zeros((local_batch, seq_len), np.int32)
         lengths = np.zeros(local_batch, np.int64)
         labels = np.zeros(local_batch, np.int32)
         # One batched ArrayRecord read, then a protobuf parse per example: TFDS's generic
         # per-example decoding would cost several times more than everything else here.
-        for row, record in enumerate(records.__getitems__(indices.tolist())):
+        for row, record in enumerate(self.records.__getitems__(indices.tolist())):
             feature = example_pb2.Example.FromString(record).features.feature
             tokens = feature["input_ids"].int64_list.value
             lengths[row] = len(tokens)
             ids[row, : len(tokens)] = tokens
             segments[row, : len(tokens)] = feature["segment_ids"].int64_list.value
             labels[row] = feature["next_sentence_label"].int64_list.value[0]
-        masked = masking.mask_batch(ids, lengths, epochs, indices, seed, options)
+        masked = masking.mask_batch(ids, lengths, epochs, indices, self.seed, self.options)
         input_mask = (np.arange(seq_len)[None] < lengths[:, None]).astype(np.int32)
         return {
             **masked,
@@ -131,15 +174,3 @@ def make_iterator(
             "segment_ids": segments,
             "next_sentence_labels": labels,
         }
-
-    def make(start_step: int):
-        if batches_per_epoch == 0:
-            return iter(())
-        dataset = grain.MapDataset.range(start_step, num_batches).map(read_batch)
-        # Threads read (and mask) batches ahead of the training step; 0 reads synchronously.
-        options = grain.ReadOptions(
-            num_threads=read_threads, prefetch_buffer_size=4 if read_threads else 0
-        )
-        return iter(dataset.to_iter_dataset(options))
-
-    return BatchIterator(make, batches_per_epoch, num_batches)
