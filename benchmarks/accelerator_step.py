@@ -9,7 +9,7 @@ float32 parameters, and the optimizer update with NVIDIA's settings, data-parall
 all local devices (the batch split over a `data` mesh axis, the state replicated). For each
 layer form and remat setting it prints the median step time, sequences/s, the achieved
 FLOP/s (lambjax's exact matmul count) and MFU against the device's data-sheet bf16 peak
-(lambjax.train.peak_flops; `--peak-tflops` for a device not in its table).
+(lambjax.train.throughput; `--peak-tflops` for a device not in its table).
 """
 
 import argparse
@@ -26,7 +26,8 @@ from lambjax.models import bert
 from lambjax.train import step as step_lib
 from lambjax.train.config import optimizer_config
 from lambjax.train.optimizer import make_optimizer
-from lambjax.train.peak_flops import peak_flops_per_device
+from lambjax.train.state import TrainState
+from lambjax.train.throughput import peak_flops_per_device, train_step_flops
 
 
 def step_seconds(args, scan_layers: bool, remat: bool) -> float:
@@ -53,7 +54,7 @@ def step_seconds(args, scan_layers: bool, remat: bool) -> float:
         donate_argnums=(0,),
     )
     state = jax.jit(
-        lambda key: step_lib.TrainState.create(bert.init_params(config, key), optimizer),
+        lambda key: TrainState.create(bert.init_params(config, key), optimizer),
         out_shardings=replicated,
     )(jax.random.key(0))
     batch = random_batch(args.batch_per_device * jax.device_count(), args.seq, args.predictions)
@@ -90,7 +91,7 @@ def main():
     peak = peak_flops_per_device(args.peak_tflops * 1e12)
     global_batch = args.batch_per_device * devices
     config = bert.BertConfig.preset(args.preset)
-    flops = bert.train_step_flops(config, global_batch, args.seq, args.predictions)
+    flops = train_step_flops(config, global_batch, args.seq, args.predictions)
     peak_text = f"peak {peak / 1e12:.0f} TFLOP/s per device" if peak else "peak unknown"
     print(
         f"{args.preset}: {devices} x {jax.devices()[0].device_kind}, batch {global_batch} "

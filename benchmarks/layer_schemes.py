@@ -43,9 +43,9 @@ import numpy as np
 from lambjax import data, host_memory
 from lambjax.models import bert
 from lambjax.train import config as config_lib
-from lambjax.train import recipes, trainer
-from lambjax.train import step as step_lib
+from lambjax.train import phases, trainer, variants
 from lambjax.train.metrics import read_jsonl
+from lambjax.train.state import TrainState
 
 LOG_EVERY = 5
 
@@ -101,16 +101,16 @@ def schemes(args, data_dir: str) -> dict:
     mslt.phases.phase1.num_steps = stage_steps
     return {
         "baseline": base(args, data_dir, args.steps),
-        "pld": recipes.layer_drop(base(args, data_dir, steps)),
-        "mslt": recipes.multi_stage(mslt),
+        "pld": variants.layer_drop(base(args, data_dir, steps)),
+        "mslt": variants.multi_stage(mslt),
     }
 
 
-def compiled_step(config, phase: trainer.Phase):
+def compiled_step(config, phase: phases.Phase):
     """(the phase's jitted train step, a fresh state, one real batch), warmed up."""
-    step = jax.jit(trainer.phase_train_step(config, phase), donate_argnums=(0,))
+    step = jax.jit(phase.train_step(), donate_argnums=(0,))
     params = bert.init_params(phase.model_config, jax.random.key(config.seed))
-    state = step_lib.TrainState.create(params, phase.optimizer, phase.num_frozen_layers)
+    state = TrainState.create(params, phase.optimizer, phase.num_frozen_layers)
     state = state.replace(step=state.step + phase.config.num_steps)  # PLD: theta at theta_bar
     batch = next(
         data.make_iterator(
@@ -132,7 +132,7 @@ def step_seconds(schemes: dict, rounds: int) -> dict[tuple[str, str], float]:
     for scheme, config in schemes.items():
         offset = 0
         for index, name in enumerate(config.phase_order):
-            phase = trainer.build_phase(config, name, index, offset)
+            phase = phases.build_phase(config, name, index, offset)
             offset += phase.config.num_steps
             steps[scheme, name] = compiled_step(config, phase)
     times = {key: [] for key in steps}

@@ -101,6 +101,7 @@ def lambjax_step(model, dtype, scan_layers=None):
     from lambjax.train import step as step_lib
     from lambjax.train.config import optimizer_config
     from lambjax.train.optimizer import make_optimizer
+    from lambjax.train.state import TrainState
 
     _, batch_size, seq, predictions = SHAPES[model]
     config = lambjax_config(model, dtype, scan_layers)
@@ -115,7 +116,7 @@ def lambjax_step(model, dtype, scan_layers=None):
         ),
         donate_argnums=(0,),
     )
-    state = jax.jit(lambda k: step_lib.TrainState.create(bert.init_params(config, k), optimizer))(
+    state = jax.jit(lambda k: TrainState.create(bert.init_params(config, k), optimizer))(
         jax.random.key(0)
     )
     batch = random_batch(batch_size, seq, predictions)
@@ -338,7 +339,7 @@ def main():
         parser.error(f"--sides={args.sides!r} needs 'lambjax bfloat16' and an HF side")
     install_hf()
     host_memory.retain_freed_memory()  # before JAX starts: as lambjax.main does on CPU
-    from lambjax.models import bert
+    from lambjax.train.throughput import train_step_flops
 
     peaks = {dtype: matmul_peak_flops(dtype) for dtype in ("float32", "bfloat16")}
     print(
@@ -353,7 +354,7 @@ def main():
     print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     for model in args.models.split(","):
         _, batch_size, seq, predictions = SHAPES[model]
-        flops = bert.train_step_flops(lambjax_config(model), batch_size, seq, predictions)
+        flops = train_step_flops(lambjax_config(model), batch_size, seq, predictions)
         seconds = interleaved_median_seconds(model, sides, args.steps, args.rounds)
         ours = seconds["lambjax bfloat16"]
         hf_run = [side for side in HF_SIDES if side in seconds]

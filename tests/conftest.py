@@ -1,7 +1,10 @@
 """Test-wide set-up: 8 fake CPU devices, so sharding runs as it would on a TPU host, and
-malloc keeps freed memory (as `lambjax.main` does on CPU) before JAX starts its threads."""
+malloc keeps freed memory (as `lambjax.main` does on CPU) before JAX starts its threads.
+Shared helpers are in tests/helpers.py."""
 
 import os
+
+import pytest
 
 from lambjax import host_memory
 
@@ -15,3 +18,9 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 import jax  # noqa: E402
 
 jax.config.update("jax_platforms", "cpu")
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory):
+    """A data_dir for the datasets that one test module's runs build and share."""
+    return str(tmp_path_factory.mktemp("datasets"))

@@ -84,7 +84,7 @@ def test_create_tpu_vm_and_queued_spot_resource(fake_path, tmp_path):
 
 
 def test_install_train_stop_delete_run_on_every_worker(fake_path, tmp_path):
-    env = dict(SETTINGS, BUCKET="gs://b", RUN="r1", CONFIG="configs/bert_large_lans.py")
+    env = dict(SETTINGS, BUCKET="gs://b", RUN="r1", CONFIG="configs/bert_lans.py:large")
     for command in ("install", "train", "logs", "stop", "delete"):
         result, _ = run("launch/tpu/tpu_vm.sh", [command], fake_path, tmp_path, **env)
         assert result.returncode == 0, result.stderr
@@ -94,11 +94,11 @@ def test_install_train_stop_delete_run_on_every_worker(fake_path, tmp_path):
     assert "--worker=all" in calls[1]
     install, train, logs, stop, delete = calls[2:]
     assert install[:6] == ["gcloud", "compute", "tpus", "tpu-vm", "ssh", "bert"]
-    assert "--worker=all" in install and "pip install" in install[-1]
+    assert "--worker=all" in install and "pip install -q -e '.[train]'" in install[-1]
     assert "--worker=all" in train
     assert train[-1] == (
         "--command=cd ~/lambjax && nohup python3 -m lambjax.main "
-        "--config=configs/bert_large_lans.py --workdir=gs://b/r1 > ~/lambjax-train.log 2>&1 &"
+        "--config=configs/bert_lans.py:large --workdir=gs://b/r1 > ~/lambjax-train.log 2>&1 &"
     )
     assert "--worker=0" in logs
     assert stop[-1] == "--command=pkill -TERM -f lambjax.main || true" and "--worker=all" in stop
@@ -132,7 +132,7 @@ def test_slurm_script_runs_one_srun(fake_path, tmp_path):
         ["--config.seed=3"],
         fake_path,
         tmp_path,
-        CONFIG="configs/bert_large_lamb.py",
+        CONFIG="configs/bert_lamb.py:large",
         WORKDIR="/shared/run",
     )
     assert result.returncode == 0, result.stderr
@@ -143,7 +143,7 @@ def test_slurm_script_runs_one_srun(fake_path, tmp_path):
             "python3",
             "-m",
             "lambjax.main",
-            "--config=configs/bert_large_lamb.py",
+            "--config=configs/bert_lamb.py:large",
             "--workdir=/shared/run",
             "--config.seed=3",
         ]

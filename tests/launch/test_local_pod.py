@@ -7,10 +7,9 @@ import time
 
 import pytest
 
-from lambjax.train.metrics import read_jsonl
-from tests.train import test_runs
+from tests import helpers
+from tests.helpers import REPO, demo_command, losses, run_demo
 
-REPO = test_runs.REPO
 STEPS = 6
 
 
@@ -21,35 +20,16 @@ def pod(workdir, data_dir, processes, devices, *extra):
         f"--processes={processes}",
         f"--devices-per-process={devices}",
         "--",
-        *test_runs.command(workdir, data_dir, *extra)[3:],  # the lambjax.main flags
+        *demo_command(workdir, data_dir, *extra)[3:],  # the lambjax.main flags
     ]
-
-
-def losses(workdir):
-    records = read_jsonl(os.path.join(workdir, "metrics.jsonl"))
-    return {s: r["train/loss"] for s, r in records.items() if "train/loss" in r}
-
-
-@pytest.fixture(scope="module")
-def data_dir(tmp_path_factory):
-    return str(tmp_path_factory.mktemp("datasets"))
 
 
 def test_two_processes_train_like_one(data_dir, tmp_path):
     overrides = ("--config.phase_order=('phase1',)", f"--config.phases.phase1.num_steps={STEPS}")
     one = str(tmp_path / "one")
-    test_runs.run(one, data_dir, 4, *overrides)
+    run_demo(one, data_dir, 4, *overrides)
     two = str(tmp_path / "two")
-    env = test_runs.environment(2)
-    result = subprocess.run(
-        pod(two, data_dir, 2, 2, *overrides),
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert result.returncode == 0, result.stdout[-4000:]
+    result = helpers.run(pod(two, data_dir, 2, 2, *overrides), 2)
     assert "[p0]" in result.stdout and "[p1]" in result.stdout
     expected, got = losses(one), losses(two)
     assert sorted(got) == list(range(1, STEPS + 1))
@@ -57,17 +37,9 @@ def test_two_processes_train_like_one(data_dir, tmp_path):
         assert loss == pytest.approx(expected[step], rel=1e-5), step
     # A checkpoint written by 2 processes restores in 1, and one written by 1 in 2: both
     # restore the final step-6 state (and find the phase finished).
-    resumed = test_runs.run(two, data_dir, 4, *overrides)
+    resumed = run_demo(two, data_dir, 4, *overrides)
     assert "resuming from its checkpoint at step 6" in resumed.stderr
-    result = subprocess.run(
-        pod(one, data_dir, 2, 2, *overrides),
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert result.returncode == 0, result.stdout[-4000:]
+    result = helpers.run(pod(one, data_dir, 2, 2, *overrides), 2)
     assert "[p1]" in result.stdout and "resuming from its checkpoint at step 6" in result.stdout
 
 
@@ -78,7 +50,7 @@ def test_a_killed_process_stops_the_pod(data_dir, tmp_path):
     launcher = subprocess.Popen(
         pod(workdir, data_dir, 2, 1, "--config.phases.phase1.num_steps=1000"),
         cwd=REPO,
-        env=test_runs.environment(1),
+        env=helpers.environment(1),
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,

@@ -68,7 +68,7 @@ def test_losses_and_hits_match_a_float64_log_softmax(params):
     # The gradient of the summed loss with respect to the logits is softmax - one_hot.
     logits = jnp.asarray(mlm[0], jnp.float32)  # [P, V]
     labels = x["masked_lm_ids"][0]
-    grad = jax.grad(lambda z: jnp.sum(bert._cross_entropy(z.T, labels, axis=0)[0]))(logits)
+    grad = jax.grad(lambda z: jnp.sum(pretraining._cross_entropy(z.T, labels, axis=0)[0]))(logits)
     expected = jax.nn.softmax(logits) - jax.nn.one_hot(labels, CONFIG.vocab_size)
     np.testing.assert_allclose(grad, expected, atol=1e-6)
 

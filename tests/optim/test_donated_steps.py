@@ -1,7 +1,7 @@
 """The optimizers as optax users call them: `tx.init(params)` eagerly, then a jitted step
 that donates params and state (`donate_argnums=(0, 1)`), on one device and with params
 sharded over 8; the numbers against the same steps without donation, against the float64
-references of test_optimizers, and (inject_hyperparams, masked) against the plain
+references (tests/optim/references.py), and (inject_hyperparams, masked) against the plain
 optimizer."""
 
 import warnings
@@ -15,7 +15,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from lambjax import optim
-from tests.optim.test_optimizers import (
+from tests.optim.references import (
     ALL_TRUE,
     DECAY_MASK,
     LR,

@@ -6,42 +6,31 @@
 
 import os
 import subprocess
-import sys
 
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
-from tests.train.test_runs import REPO, environment, losses, wait_for_checkpoint
+from tests import helpers
+from tests.helpers import REPO, environment, lambjax_main, losses, wait_for_checkpoint
 
 DEVICES = 2
 STAGES = {"phase1_stage1": 3, "phase1_stage2": 3, "phase2": 6}
 
 
 def command(workdir, data_dir, variant):
-    return [
-        sys.executable,
-        "-m",
-        "lambjax.main",
+    return lambjax_main(
         f"--config=configs/default.py:{variant},runlocal",
         f"--workdir={workdir}",
         f"--config.data.data_dir={data_dir}",
         "--config.checkpoint_every_steps=2",
         "--config.log_every_steps=1",
-    ]
+    )
 
 
 def run(workdir, data_dir, variant):
-    result = subprocess.run(
-        command(workdir, data_dir, variant),
-        cwd=REPO,
-        env=environment(DEVICES),
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert result.returncode == 0, f"run failed:\n{result.stderr[-4000:]}"
+    helpers.run(command(workdir, data_dir, variant), DEVICES)
 
 
 def layers(workdir, phase, step):
@@ -56,11 +45,6 @@ def layers(workdir, phase, step):
 
 def leaves(tree):
     return ocp.tree.to_flat_dict(tree)
-
-
-@pytest.fixture(scope="module")
-def data_dir(tmp_path_factory):
-    return str(tmp_path_factory.mktemp("datasets"))
 
 
 @pytest.fixture(scope="module")

@@ -9,14 +9,14 @@ import numpy as np
 import optax
 import pytest
 
-from lambjax.models import bert
-from lambjax.train import stacking
+from lambjax.models import bert, pretraining
+from lambjax.train import stacking, throughput
 from lambjax.train import step as step_lib
 from lambjax.train.config import optimizer_config
 from lambjax.train.layer_drop import LayerDrop
 from lambjax.train.optimizer import make_optimizer
-from tests.models.test_bert import _dot_flops
-from tests.train.test_step import random_batch
+from lambjax.train.state import TrainState
+from tests.helpers import dot_flops, random_batch
 
 CONFIG = bert.BertConfig.preset(
     "tiny", vocab_size=128, num_layers=4, dtype="float32", layer_norm="pre"
@@ -41,7 +41,7 @@ def run_steps(name="lamb", steps=3, accum=2, **step_kwargs):
     )
     params = bert.init_params(CONFIG, jax.random.key(0))
     frozen = step_kwargs.get("num_frozen_layers", 0)
-    state = step_lib.TrainState.create(params, optimizer(name), frozen)
+    state = TrainState.create(params, optimizer(name), frozen)
     history = []
     for index in range(steps):
         state, metrics = step(state, random_batch(index), jax.random.key(1))
@@ -113,7 +113,7 @@ def test_dropping_gives_the_same_step_on_8_sharded_devices():
     _, single, single_metrics = run_steps(steps=3, layer_drop=drop)
     mesh = sharding.make_mesh({"data": 4, "fsdp": 2, "tensor": 1})
     params = bert.init_params(CONFIG, jax.random.key(0))
-    state = step_lib.TrainState.create(params, optimizer("lamb"))
+    state = TrainState.create(params, optimizer("lamb"))
     param_shardings = sharding.tree_shardings(params, bert.param_logical_axes(CONFIG), mesh)
     state = state.replace(params=jax.device_put(state.params, param_shardings))
     step = jax.jit(
@@ -170,7 +170,7 @@ def test_frozen_layers_and_embeddings_stay_bit_identical_through_a_stage():
 def test_optimizer_state_exists_only_for_the_trained_layers():
     params = bert.init_params(CONFIG, jax.random.key(0))
     trainable, _ = stacking.split(params, 3)
-    state = step_lib.TrainState.create(params, optimizer("lans"), num_frozen_layers=3)
+    state = TrainState.create(params, optimizer("lans"), num_frozen_layers=3)
     shapes = lambda tree: [x.shape for x in jax.tree.leaves(tree)]  # noqa: E731
     assert shapes(state.opt_state) == shapes(optimizer("lans").init(trainable))
     assert not optax.tree_utils.tree_get_all_with_path(state.opt_state, "embeddings")
@@ -188,14 +188,25 @@ def test_no_backward_pass_runs_through_frozen_layers():
 
     def loss(trainable):
         merged = stacking.merge(trainable, frozen)
-        stats = bert.pretraining_stats(config, merged, x, num_frozen_layers=frozen_count)
+        stats = pretraining.pretraining_stats(config, merged, x, num_frozen_layers=frozen_count)
         return stats["mlm_loss_sum"]
 
-    traced = _dot_flops(jax.make_jaxpr(jax.grad(loss))(trainable).jaxpr)
+    traced = dot_flops(jax.make_jaxpr(jax.grad(loss))(trainable).jaxpr)
     batch, seq, predictions = x["input_ids"].shape + (x["masked_lm_ids"].shape[1],)
-    expected = bert.train_step_flops(
+    expected = throughput.train_step_flops(
         config, batch, seq, predictions, num_frozen_layers=frozen_count
     )
-    full = bert.train_step_flops(config, batch, seq, predictions)
+    full = throughput.train_step_flops(config, batch, seq, predictions)
     assert expected < 0.55 * full  # 3 of 4 layers without their backward
     assert 0.8 * expected < traced <= expected
+
+
+def test_grow_layers_copies_the_top_layers():
+    config = bert.BertConfig.preset("tiny", vocab_size=64, num_layers=3, dtype="float32")
+    params = bert.init_params(config, jax.random.key(0))
+    grown_config, grown = stacking.grow_layers(config, params, 5)
+    assert grown_config.num_layers == 5
+    src = params["encoder"]["layers"]["mlp"]["output"]["kernel"]
+    new = grown["encoder"]["layers"]["mlp"]["output"]["kernel"]
+    for target, source in [(0, 0), (1, 1), (2, 2), (3, 1), (4, 2)]:
+        np.testing.assert_array_equal(new[target], src[source])

@@ -11,59 +11,23 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
 
 import pytest
 
 from lambjax.train.metrics import read_jsonl
-
-REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
-PHASE1_STEPS, PHASE2_STEPS = 12, 6
-
-
-def command(workdir, data_dir, *overrides):
-    return [
-        sys.executable,
-        "-m",
-        "lambjax.main",
-        "--config=configs/default.py:runlocal",
-        f"--workdir={workdir}",
-        f"--config.data.data_dir={data_dir}",
-        f"--config.phases.phase1.num_steps={PHASE1_STEPS}",
-        f"--config.phases.phase2.num_steps={PHASE2_STEPS}",
-        "--config.checkpoint_every_steps=4",
-        "--config.log_every_steps=1",
-        *overrides,
-    ]
-
-
-COMPILATION_CACHE = os.path.join(REPO, ".pytest_cache", "jax-compilation-cache")
-
-
-def environment(devices):
-    env = dict(os.environ)
-    # Runs with the same shapes and device count reuse each other's compiled steps.
-    env["JAX_COMPILATION_CACHE_DIR"] = COMPILATION_CACHE
-    env["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
-    env["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "0"
-    env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
-    env["JAX_PLATFORMS"] = "cpu"
-    env["TF_CPP_MIN_LOG_LEVEL"] = "3"
-    return env
-
-
-def run(workdir, data_dir, devices, *overrides, check=True):
-    result = subprocess.run(
-        command(workdir, data_dir, *overrides),
-        cwd=REPO,
-        env=environment(devices),
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    if check and result.returncode != 0:
-        raise AssertionError(f"run failed ({result.returncode}):\n{result.stderr[-4000:]}")
-    return result
+from tests import helpers
+from tests.helpers import (
+    PHASE1_STEPS,
+    PHASE2_STEPS,
+    REPO,
+    environment,
+    losses,
+    wait_for_checkpoint,
+)
+from tests.helpers import demo_command as command
+from tests.helpers import (
+    run_demo as run,
+)
 
 
 def start(workdir, data_dir, devices, *overrides):
@@ -75,25 +39,6 @@ def start(workdir, data_dir, devices, *overrides):
         stderr=subprocess.PIPE,
         text=True,
     )
-
-
-def losses(workdir):
-    records = read_jsonl(os.path.join(workdir, "metrics.jsonl"))
-    return {step: r["train/loss"] for step, r in sorted(records.items()) if "train/loss" in r}
-
-
-def wait_for_checkpoint(workdir, phase, step, process, timeout=300):
-    path = os.path.join(workdir, "checkpoints", phase, str(step))
-    deadline = time.time() + timeout
-    while not os.path.exists(path):
-        assert process.poll() is None, f"run ended early: {process.stderr.read()[-3000:]}"
-        assert time.time() < deadline, f"no checkpoint {path} after {timeout}s"
-        time.sleep(0.05)
-
-
-@pytest.fixture(scope="module")
-def data_dir(tmp_path_factory):
-    return str(tmp_path_factory.mktemp("datasets"))
 
 
 @pytest.fixture(scope="module")
@@ -214,15 +159,8 @@ def test_export_cli_writes_a_transformers_checkpoint(reference, tmp_path):
     import transformers
 
     out = str(tmp_path / "exported")
-    result = subprocess.run(
-        [sys.executable, "-m", "lambjax.models.hf", f"--workdir={reference}", f"--out={out}"],
-        cwd=REPO,
-        env=environment(1),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
+    export = [sys.executable, "-m", "lambjax.export", f"--workdir={reference}", f"--out={out}"]
+    result = helpers.run(export, 1, timeout=300)
     assert "phase2" in result.stdout
     model = transformers.BertForPreTraining.from_pretrained(out).eval()
     vocab = open(os.path.join(out, "vocab.txt"), encoding="utf-8").read().split("\n")

@@ -11,6 +11,8 @@ import pytest
 from lambjax.models import bert
 from lambjax.train import step as step_lib
 from lambjax.train import trainer
+from lambjax.train.state import TrainState
+from tests import helpers
 
 CONFIG = bert.BertConfig.preset(
     "tiny", vocab_size=128, num_layers=2, dtype="float32", hidden_dropout=0.0, attention_dropout=0.0
@@ -19,19 +21,7 @@ BATCH, SEQ, PRED = 8, 16, 4
 
 
 def random_batch(seed=0):
-    rng = np.random.default_rng(seed)
-    positions = np.sort(
-        np.stack([rng.choice(np.arange(1, SEQ), PRED, replace=False) for _ in range(BATCH)]), 1
-    )
-    return {
-        "input_ids": rng.integers(5, CONFIG.vocab_size, (BATCH, SEQ), dtype=np.int32),
-        "input_mask": np.ones((BATCH, SEQ), np.int32),
-        "segment_ids": (np.arange(SEQ)[None] >= SEQ // 2).astype(np.int32).repeat(BATCH, 0),
-        "masked_lm_positions": positions.astype(np.int32),
-        "masked_lm_ids": rng.integers(5, CONFIG.vocab_size, (BATCH, PRED), dtype=np.int32),
-        "masked_lm_weights": (rng.random((BATCH, PRED)) < 0.8).astype(np.float32),
-        "next_sentence_labels": rng.integers(0, 2, (BATCH,), dtype=np.int32),
-    }
+    return helpers.random_batch(seed, batch=BATCH, seq=SEQ, predictions=PRED, vocab_size=128)
 
 
 @pytest.fixture(scope="module")
@@ -56,7 +46,7 @@ def jitted_step(optimizer, accum):
 
 
 def fresh_state(optimizer):
-    return step_lib.TrainState.create(bert.init_params(CONFIG, jax.random.key(0)), optimizer)
+    return TrainState.create(bert.init_params(CONFIG, jax.random.key(0)), optimizer)
 
 
 def test_accumulation_gives_the_global_batch_gradient(optimizer):

@@ -31,19 +31,24 @@ def test_train_step_flops_match_a_count_of_the_traced_matmuls():
 
 
 def test_throughput_over_the_steps_since_the_last_measurement(monkeypatch):
-    clock = iter([100.0, 110.0, 130.0])
-    monkeypatch.setattr(throughput.time, "perf_counter", lambda: next(clock))
+    now = [100.0]
+    monkeypatch.setattr(throughput.time, "perf_counter", lambda: now[0])
     meter = throughput.Throughput(tokens_per_step=1000, flops_per_step=4e12, peak_flops=1e12)
     assert meter.measure(0) == {}  # starts the clock (this window holds the compilation)
+    now[0] = 110.0
     first = meter.measure(5)  # 5 steps in 10 s
     assert first["step_time_s"] == pytest.approx(2.0)
     assert first["tokens_per_s"] == pytest.approx(500.0)
     assert first["mfu"] == pytest.approx(2.0)  # 2e12 FLOP/s against a 1e12 peak
+    now[0] = 130.0
     second = meter.measure(15)  # 10 steps in 20 s
     assert second["flops_per_s"] == pytest.approx(2e12)
+    meter.reset(15)  # e.g. after an evaluation: its time is not a step's
+    now[0] = 200.0
+    assert meter.measure(16)["step_time_s"] == pytest.approx(70.0)
     unknown_peak = throughput.Throughput(tokens_per_step=1, flops_per_step=1, peak_flops=None)
-    monkeypatch.setattr(throughput.time, "perf_counter", iter([0.0, 1.0]).__next__)
     unknown_peak.measure(0)
+    now[0] = 201.0
     assert "mfu" not in unknown_peak.measure(1)
 
 

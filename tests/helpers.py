@@ -1,0 +1,126 @@
+"""What several test modules share: a random pretraining batch, a FLOP count of traced
+matmuls, and running lambjax's commands as subprocesses, as a user starts them."""
+
+import os
+import subprocess
+import sys
+import time
+
+import jax
+import numpy as np
+
+from lambjax.train.metrics import read_jsonl
+
+REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
+COMPILATION_CACHE = os.path.join(REPO, ".pytest_cache", "jax-compilation-cache")
+
+
+# ----------------------------------------------------------------------------------------
+# Batches and FLOPs
+
+
+def random_batch(seed=0, *, batch=8, seq=16, predictions=4, vocab_size=128) -> dict:
+    """A pretraining batch of numpy arrays: random tokens, two segments, ~80% of the
+    masked positions weighted."""
+    rng = np.random.default_rng(seed)
+    positions = np.sort(
+        np.stack([rng.choice(np.arange(1, seq), predictions, replace=False) for _ in range(batch)]),
+        1,
+    )
+    return {
+        "input_ids": rng.integers(5, vocab_size, (batch, seq), dtype=np.int32),
+        "input_mask": np.ones((batch, seq), np.int32),
+        "segment_ids": (np.arange(seq)[None] >= seq // 2).astype(np.int32).repeat(batch, 0),
+        "masked_lm_positions": positions.astype(np.int32),
+        "masked_lm_ids": rng.integers(5, vocab_size, (batch, predictions), dtype=np.int32),
+        "masked_lm_weights": (rng.random((batch, predictions)) < 0.8).astype(np.float32),
+        "next_sentence_labels": rng.integers(0, 2, (batch,), dtype=np.int32),
+    }
+
+
+def dot_flops(jaxpr) -> int:
+    """Counts 2 * output size * contracted size over every dot_general, recursively."""
+    total = 0
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "dot_general":
+            (contract, _), _ = eqn.params["dimension_numbers"]
+            lhs = eqn.invars[0].aval.shape
+            out = eqn.outvars[0].aval.shape
+            total += 2 * int(np.prod(out)) * int(np.prod([lhs[d] for d in contract]))
+        for sub in jax.core.jaxprs_in_params(eqn.params):
+            inner = dot_flops(sub)
+            if eqn.primitive.name == "scan":
+                inner *= eqn.params["length"]
+            total += inner
+    return total
+
+
+# ----------------------------------------------------------------------------------------
+# Commands as subprocesses
+
+
+def environment(devices: int) -> dict:
+    """A CPU process with `devices` fake devices; runs with the same shapes and device count
+    reuse each other's compiled steps through the persistent compilation cache."""
+    env = dict(os.environ)
+    env["JAX_COMPILATION_CACHE_DIR"] = COMPILATION_CACHE
+    env["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
+    env["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "0"
+    env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
+    env["JAX_PLATFORMS"] = "cpu"
+    env["TF_CPP_MIN_LOG_LEVEL"] = "3"
+    return env
+
+
+def run(args: list[str], devices: int, *, check=True, timeout=600):
+    """Runs `args` in the repository with `devices` fake devices; fails with the end of its
+    output if it exits non-zero and `check`."""
+    result = subprocess.run(
+        args, cwd=REPO, env=environment(devices), capture_output=True, text=True, timeout=timeout
+    )
+    if check and result.returncode != 0:
+        raise AssertionError(
+            f"{' '.join(args[:4])} ... failed ({result.returncode}):\n"
+            f"{result.stdout[-2000:]}\n{result.stderr[-4000:]}"
+        )
+    return result
+
+
+def lambjax_main(*flags: str) -> list[str]:
+    return [sys.executable, "-m", "lambjax.main", *flags]
+
+
+# The demo's runlocal variant, shortened: what most end-to-end tests run.
+PHASE1_STEPS, PHASE2_STEPS = 12, 6
+
+
+def demo_command(workdir, data_dir, *overrides) -> list[str]:
+    return lambjax_main(
+        "--config=configs/default.py:runlocal",
+        f"--workdir={workdir}",
+        f"--config.data.data_dir={data_dir}",
+        f"--config.phases.phase1.num_steps={PHASE1_STEPS}",
+        f"--config.phases.phase2.num_steps={PHASE2_STEPS}",
+        "--config.checkpoint_every_steps=4",
+        "--config.log_every_steps=1",
+        *overrides,
+    )
+
+
+def run_demo(workdir, data_dir, devices, *overrides, check=True):
+    return run(demo_command(workdir, data_dir, *overrides), devices, check=check)
+
+
+def losses(workdir: str) -> dict[int, float]:
+    """The logged training loss of every step, from the run's metrics.jsonl."""
+    records = read_jsonl(os.path.join(workdir, "metrics.jsonl"))
+    return {step: r["train/loss"] for step, r in sorted(records.items()) if "train/loss" in r}
+
+
+def wait_for_checkpoint(workdir, phase, step, process, timeout=300):
+    path = os.path.join(workdir, "checkpoints", phase, str(step))
+    deadline = time.time() + timeout
+    while not os.path.exists(path):
+        assert process.poll() is None, f"run ended early: {process.stderr.read()[-3000:]}"
+        assert time.time() < deadline, f"no checkpoint {path} after {timeout}s"
+        time.sleep(0.05)
