@@ -7,7 +7,7 @@ bools or a callable on params, like optax masks). Norms of zero never produce Na
 Norms are computed as dot products (`sum(x * x)` contracted by XLA's dot emitter) of
 tensors that are already in memory: on XLA:CPU a reduction fused with the arithmetic that
 produces its input runs scalar code and recomputes that arithmetic in the consumer, which
-made the trust-ratio step several times slower than an Adam step (see README, Optimizers).
+made the trust-ratio step several times slower than an Adam step (docs/performance.md).
 """
 
 from collections.abc import Callable

@@ -6,7 +6,7 @@
 # Settings (environment variables; flags of the same name in lower case also work, e.g.
 # --zone=us-central2-b):
 #   PROJECT, ZONE, TPU_NAME, ACCELERATOR_TYPE (v4-32), RUNTIME_VERSION (tpu-ubuntu2204-base),
-#   BUCKET (gs://... for the shared workdir), RUN (run name), CONFIG (configs/X.py[:variant]),
+#   BUCKET (gs://... for the shared workdir), RUN (run name), CONFIG (configs/X.py[:size,variants]),
 #   SPOT=1 (spot VMs), QUEUED=1 (a queued resource rather than a plain TPU VM),
 #   DRY_RUN=1 (print the exact commands, run nothing).
 # Training runs on every worker (--worker=all), each writing its shards of the checkpoints to
@@ -24,7 +24,7 @@ done
 : "${PROJECT:?set PROJECT}" "${ZONE:?set ZONE}" "${TPU_NAME:?set TPU_NAME}"
 ACCELERATOR_TYPE="${ACCELERATOR_TYPE:-v4-32}"
 RUNTIME_VERSION="${RUNTIME_VERSION:-tpu-ubuntu2204-base}"
-CONFIG="${CONFIG:-configs/bert_large_lamb.py}"
+CONFIG="${CONFIG:-configs/bert_lamb.py:large}"
 RUN="${RUN:-$TPU_NAME}"
 
 run() {
@@ -51,7 +51,7 @@ case "${1:-}" in
     archive="$(mktemp -d)/lambjax.tar.gz"
     run git archive --format=tar.gz -o "$archive" HEAD
     run gcloud compute tpus tpu-vm scp "$archive" "$TPU_NAME:~/lambjax.tar.gz" "${where[@]}" --worker=all
-    ssh_all "mkdir -p ~/lambjax && tar -xzf ~/lambjax.tar.gz -C ~/lambjax && cd ~/lambjax && python3 -m pip install -q -e . 'jax[tpu]>=0.10,<0.11'"
+    ssh_all "mkdir -p ~/lambjax && tar -xzf ~/lambjax.tar.gz -C ~/lambjax && cd ~/lambjax && python3 -m pip install -q -e '.[train]' 'jax[tpu]>=0.10,<0.11'"
     ;;
   train)
     : "${BUCKET:?set BUCKET (gs://...), the workdir every worker shares}"
