@@ -10,6 +10,7 @@ produces its input runs scalar code and recomputes that arithmetic in the consum
 made the trust-ratio step several times slower than an Adam step (docs/performance.md).
 """
 
+import functools
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -313,31 +314,18 @@ def scale_by_lans(
         if bias_correction:
             mu_hat = otu.tree_bias_correction(mu, b1, count)
             nu_hat = otu.tree_bias_correction(nu, b2, count)
-            nu_rescale = 1 / (1 - b2 ** count.astype(jnp.float32))  # for c, see step()
+            nu_rescale = 1 / (1 - b2 ** count.astype(jnp.float32))  # lans_direction's c
         else:
             mu_hat, nu_hat, nu_rescale = mu, nu, jnp.float32(1.0)
 
-        def step(g, m_hat, v_hat, v, x, decays_here, is_stacked):
-            decay = 0.0 if is_python_zero(weight_decay) or not decays_here else weight_decay * x
-            # d = sqrt(v̂) + eps, written two ways on purpose: v̂ = v / (1 - b2^t) for r,
-            # v * (1 / (1 - b2^t)) for c. One shared d would be a tensor that XLA writes
-            # out and reads back (two of 24 parameter-sized passes, XLA's cost analysis);
-            # two different expressions are not merged, and each fuses into the one
-            # direction that reads it (22 passes).
-            r = m_hat / (jnp.sqrt(v_hat) + eps) + decay
-            c = g / (jnp.sqrt(v * nu_rescale) + eps) + decay
-            param_norm = jnp.sqrt(tensor_sq_norms(x, is_stacked))
-            phi = clip_param_norm(param_norm, param_norm_bounds)
-            r_norm = jnp.sqrt(tensor_sq_norms(r, is_stacked))
-            c_norm = jnp.sqrt(tensor_sq_norms(c, is_stacked))
-            r_ratio = safe_ratio(phi, r_norm, (param_norm == 0.0) | (r_norm == 0.0))
-            c_ratio = safe_ratio(phi, c_norm, (param_norm == 0.0) | (c_norm == 0.0))
-            out = (
-                b1 * broadcast_per_tensor(r_ratio, r) * r
-                + (1 - b1) * broadcast_per_tensor(c_ratio, c) * c
-            )
-            return out.astype(x.dtype), r_ratio, c_ratio
-
+        step = functools.partial(
+            lans_direction,
+            nu_rescale=nu_rescale,
+            b1=b1,
+            eps=eps,
+            weight_decay=weight_decay,
+            param_norm_bounds=param_norm_bounds,
+        )
         results = jax.tree.map(step, updates, mu_hat, nu_hat, nu, params, decays, stacked)
         out, adam_ratios, gradient_ratios = jax.tree.transpose(
             jax.tree.structure(updates), jax.tree.structure((0, 0, 0)), results
@@ -345,6 +333,30 @@ def scale_by_lans(
         return out, ScaleByLansState(count, mu, nu, adam_ratios, gradient_ratios)
 
     return optax.GradientTransformation(init_fn, update_fn)
+
+
+def lans_direction(
+    g, m_hat, v_hat, v, x, decays, stacked, *, nu_rescale, b1, eps, weight_decay, param_norm_bounds
+):
+    """One tensor's LANS step (see `scale_by_lans`): (out, phi/||r||, phi/||c||)."""
+    decay = 0.0 if is_python_zero(weight_decay) or not decays else weight_decay * x
+    # d = sqrt(v̂) + eps, written two ways on purpose: v̂ = v / (1 - b2^t) for r,
+    # v * (1 / (1 - b2^t)) for c. One shared d would be a tensor that XLA writes
+    # out and reads back (two of 24 parameter-sized passes, XLA's cost analysis);
+    # two different expressions are not merged, and each fuses into the one
+    # direction that reads it (22 passes).
+    r = m_hat / (jnp.sqrt(v_hat) + eps) + decay
+    c = g / (jnp.sqrt(v * nu_rescale) + eps) + decay
+    param_norm = jnp.sqrt(tensor_sq_norms(x, stacked))
+    phi = clip_param_norm(param_norm, param_norm_bounds)
+    r_norm = jnp.sqrt(tensor_sq_norms(r, stacked))
+    c_norm = jnp.sqrt(tensor_sq_norms(c, stacked))
+    r_ratio = safe_ratio(phi, r_norm, (param_norm == 0.0) | (r_norm == 0.0))
+    c_ratio = safe_ratio(phi, c_norm, (param_norm == 0.0) | (c_norm == 0.0))
+    out = (
+        b1 * broadcast_per_tensor(r_ratio, r) * r + (1 - b1) * broadcast_per_tensor(c_ratio, c) * c
+    )
+    return out.astype(x.dtype), r_ratio, c_ratio
 
 
 # ----------------------------------------------------------------------------------------
