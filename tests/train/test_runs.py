@@ -113,11 +113,15 @@ def test_phase_two_restores_onto_another_device_count(reference, data_dir, tmp_p
     shutil.copytree(reference, workdir)
     shutil.rmtree(os.path.join(workdir, "checkpoints", "phase2"))
     os.remove(os.path.join(workdir, "metrics.jsonl"))
-    run(workdir, data_dir, 2)
+    result = run(workdir, data_dir, 2)
     expected, got = losses(reference), losses(workdir)
     assert sorted(got) == list(range(PHASE1_STEPS + 1, PHASE1_STEPS + PHASE2_STEPS + 1))
     for step, loss in got.items():
         assert loss == pytest.approx(expected[step], rel=1e-5), step
+    # The console: one line per interval, and the run's summary (phase 1 already finished).
+    final_loss = got[PHASE1_STEPS + PHASE2_STEPS]
+    assert f"phase2 step {PHASE2_STEPS}/{PHASE2_STEPS} | loss {final_loss:.4f}" in result.stderr
+    assert "Summary:\n  phase1: step 12, 0s in this run\n  phase2: step 6," in result.stderr
 
 
 def test_corrupt_latest_checkpoint_falls_back_to_the_previous(reference, data_dir, tmp_path):

@@ -1,0 +1,42 @@
+"""What a person reads on the console, and metrics.jsonl read back."""
+
+import json
+
+from lambjax.train import metrics
+
+
+def test_progress_line_shows_what_is_known():
+    train = {"loss": 5.54773, "mlm_accuracy": 0.1761, "tokens_per_s": 15216.9, "mfu": 0.2391}
+    line = metrics.progress_line("phase1", 300, 7038, train, eta_phase=3725.0, eta_run=5000.0)
+    assert line == (
+        "phase1 step 300/7038 | loss 5.5477 | mlm acc 17.6% | 15.2k tok/s | MFU 23.9% "
+        "| ETA 1h02m (run ~1h23m)"
+    )
+    # The first interval of a phase has no throughput yet; a CPU has no peak, so no MFU.
+    first = metrics.progress_line("phase2", 20, 40, {"loss": 5.767, "mlm_accuracy": 0.167})
+    assert first == "phase2 step 20/40 | loss 5.7670 | mlm acc 16.7%"
+    last_phase = metrics.progress_line("phase2", 39, 40, train | {"mfu": 0.5}, 7.2, 7.2)
+    assert last_phase.endswith("| MFU 50.0% | ETA 7s")
+
+
+def test_run_summary_names_each_phase_and_where_to_look():
+    eval_metrics = {"mlm_loss": 5.0734, "mlm_accuracy": 0.1445, "nsp_accuracy": 0.5625}
+    summary = metrics.run_summary(
+        [("phase1", 300, 129.4, eval_metrics), ("phase2", 40, 0.0, {})], "/w", "/w/checkpoints"
+    )
+    assert summary.splitlines() == [
+        "Summary:",
+        "  phase1: step 300, 2m09s in this run; eval mlm loss 5.0734, mlm acc 14.4%, nsp acc 56.2%",
+        "  phase2: step 40, 0s in this run",
+        "  checkpoints: /w/checkpoints",
+        "  TensorBoard: tensorboard --logdir /w (every scalar: metrics.jsonl)",
+    ]
+
+
+def test_read_jsonl_merges_a_steps_records(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    records = [{"step": 1, "train/loss": 2.0}, {"step": 1, "eval/mlm_loss": 3.0}]
+    records.append({"step": 1, "train/loss": 1.5})  # a resumed run logs the step again
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    merged = {"step": 1, "train/loss": 1.5, "eval/mlm_loss": 3.0}
+    assert metrics.read_jsonl(str(path)) == {1: merged}
