@@ -60,13 +60,16 @@ class Phase:
 
     def init_optimizer(self, params):
         """A fresh optimizer state for this phase's trainable view of `params`."""
-        return self.optimizer.init(stacking.split(params, self.num_frozen_layers)[0])
+        return state_lib.init_optimizer_state(self.optimizer, params, self.num_frozen_layers)
+
+    @functools.cached_property
+    def _abstract(self) -> TrainState:
+        return jax.eval_shape(self.init_state, jax.random.key(0))
 
     @functools.cached_property
     def state_shardings(self) -> TrainState:
-        abstract = jax.eval_shape(self.init_state, jax.random.key(0))
         return state_lib.shardings(
-            abstract,
+            self._abstract,
             param_axes=bert.param_logical_axes(self.model_config),
             mesh=self.mesh,
             optimizer=self.optimizer,
@@ -75,8 +78,7 @@ class Phase:
 
     def abstract_state(self) -> TrainState:
         """The state's shapes and dtypes, each leaf carrying its sharding (a restore target)."""
-        abstract = jax.eval_shape(self.init_state, jax.random.key(0))
-        return state_lib.with_shardings(abstract, self.state_shardings)
+        return state_lib.with_shardings(self._abstract, self.state_shardings)
 
     def train_step(self) -> Callable:
         """The pure train step as a function of (state, batch, rng), its settings bound."""

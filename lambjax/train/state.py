@@ -36,12 +36,18 @@ class TrainState(flax.struct.PyTreeNode):
         `params` only (lambjax.train.stacking), or `opt_state` where given (moments kept
         from an earlier phase)."""
         if opt_state is None:
-            opt_state = optimizer.init(stacking.split(params, num_frozen_layers)[0])
+            opt_state = init_optimizer_state(optimizer, params, num_frozen_layers)
 
         def zero():
             return jnp.zeros((), jnp.int32)
 
         return cls(zero(), params, opt_state, zero(), zero())
+
+
+def init_optimizer_state(optimizer: optax.GradientTransformation, params, num_frozen_layers):
+    """A fresh optimizer state for the trainable view of `params` (all of it when no layer is
+    frozen)."""
+    return optimizer.init(stacking.split(params, num_frozen_layers)[0])
 
 
 def shardings(
