@@ -10,14 +10,13 @@ Rerunning a command continues its run from the last checkpoint in --workdir.
 
 import logging as std_logging
 import os
-import sys
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # TensorFlow (metric writers, TFDS) is quiet
 
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from lambjax import distributed, host_memory
+from lambjax import cli, distributed, host_memory
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Experiment config file.")
 _WORKDIR = flags.DEFINE_string("workdir", None, "Directory for checkpoints and metrics.")
@@ -48,8 +47,19 @@ def main(argv):
 
     from lambjax.data import DataError
     from lambjax.train import trainer
+    from lambjax.train.checkpointing import CheckpointMismatch
     from lambjax.train.config import ConfigError
     from lambjax.train.phases import MissingPhaseCheckpoint
+    from lambjax.train.workdir import WorkdirError
+
+    user_errors = (
+        CheckpointMismatch,
+        ConfigError,
+        DataError,
+        MissingPhaseCheckpoint,
+        trainer.TrainingStopped,
+        WorkdirError,
+    )
 
     logging.info(
         "lambjax: process %d of %d, %d local / %d global devices (%s)",
@@ -61,11 +71,9 @@ def main(argv):
     )
     try:
         trainer.train_and_evaluate(_CONFIG.value, _WORKDIR.value)
-    except (ConfigError, DataError, MissingPhaseCheckpoint, trainer.TrainingStopped) as error:
-        # User errors end with one line, not a traceback.
-        print(f"lambjax: error: {error}", file=sys.stderr)
-        sys.exit(2)
+    except user_errors as error:  # one line (per differing field), not a traceback
+        cli.fail("lambjax", str(error))
 
 
 if __name__ == "__main__":
-    app.run(main)
+    app.run(main, flags_parser=cli.flags_parser("lambjax"))

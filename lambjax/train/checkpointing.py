@@ -10,7 +10,9 @@ Restore order, for the phase about to run:
      phase keeps them: the phase transition);
   3. else a fresh initialisation.
 A checkpoint that cannot be read (corrupt or incomplete) is moved aside, never deleted, with a
-warning, and the one before it is used.
+warning, and the one before it is used. A checkpoint that reads but holds a state of other
+shapes than the config builds (another model, another optimizer) is not unreadable: the run
+stops with CheckpointMismatch and the checkpoint stays where it is.
 """
 
 import dataclasses
@@ -25,6 +27,10 @@ from absl import logging
 from etils import epath
 
 from lambjax import distributed
+
+
+class CheckpointMismatch(ValueError):
+    """A readable checkpoint whose state does not fit the state the config builds."""
 
 
 @dataclasses.dataclass
@@ -89,6 +95,13 @@ class PhaseCheckpoints:
                 return None
             latest = max(steps)
             try:
+                state_dir = self.directory / str(latest) / "state"
+                saved_shapes = leaf_shapes(ocp.StandardCheckpointHandler().metadata(state_dir))
+            except Exception as error:  # noqa: BLE001 - any unreadable checkpoint is skipped
+                self._quarantine(latest, error)
+                continue
+            check_fits(self.directory / str(latest), saved_shapes, leaf_shapes(abstract_state))
+            try:
                 restored = self._manager.restore(
                     latest,
                     args=ocp.args.Composite(
@@ -123,6 +136,37 @@ class PhaseCheckpoints:
         distributed.barrier("quarantine-done")
         self._manager.close()
         self._manager = self._open()
+
+
+def leaf_shapes(tree) -> dict[str, tuple]:
+    """{"params/encoder/...": shape} of a state, abstract state or checkpoint metadata."""
+
+    def name(key) -> str:
+        for attribute in ("key", "name", "idx"):
+            if hasattr(key, attribute):
+                return str(getattr(key, attribute))
+        return str(key)
+
+    return {
+        "/".join(name(k) for k in path): tuple(leaf.shape)
+        for path, leaf in jax.tree_util.tree_leaves_with_path(tree)
+    }
+
+
+def check_fits(directory, saved: dict, target: dict) -> None:
+    """Raises CheckpointMismatch, naming a few differing arrays, unless shapes agree."""
+    differing = [
+        f"{name} is {saved.get(name, 'absent')} there, {target.get(name, 'absent')} now"
+        for name in sorted(saved.keys() | target.keys())
+        if saved.get(name) != target.get(name)
+    ]
+    if differing:
+        more = f" (and {len(differing) - 3} more)" if len(differing) > 3 else ""
+        raise CheckpointMismatch(
+            f"checkpoint {directory} holds another state than this config builds: "
+            f"{'; '.join(differing[:3])}{more}. The config differs from the one that wrote "
+            f"it: use that config, or another --workdir"
+        )
 
 
 def latest_params(workdir: str) -> tuple[dict, dict]:

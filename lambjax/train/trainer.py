@@ -9,7 +9,6 @@ and ends the run; the same command continues it.
 """
 
 import dataclasses
-import os
 import time
 from collections.abc import Callable
 from typing import NamedTuple
@@ -25,6 +24,7 @@ from lambjax.train import checkpointing, phases
 from lambjax.train import config as config_lib
 from lambjax.train import metrics as metrics_lib
 from lambjax.train import step as step_lib
+from lambjax.train import workdir as workdir_lib
 from lambjax.train.phases import Phase
 
 
@@ -70,9 +70,9 @@ def compile_steps(phase: Phase) -> CompiledSteps:
 
 def train_and_evaluate(config, workdir: str) -> dict:
     """Runs the remaining phases; returns the last phase's final evaluation metrics."""
-    if "://" not in workdir:  # Orbax needs absolute local paths (gs://... stays as it is)
-        workdir = os.path.abspath(workdir)
+    workdir = workdir_lib.resolve(workdir)
     config_lib.validate(config, num_devices=jax.device_count(), process_count=jax.process_count())
+    workdir_lib.check(config, workdir)
     writer = metrics_lib.create_writer(workdir)
     stop = distributed.StopRequest()
     results = []
@@ -225,6 +225,8 @@ class PhaseLoop:
         return {k: float(v) for k, v in metrics.items()}
 
     def save(self, step: int, state) -> None:
+        if not self.ckpt.steps():  # the phase's first checkpoint: the config it runs
+            workdir_lib.save_config(self.config, self.workdir)
         self.ckpt.save(step, state, self.train_iter.get_state(), self.meta)
 
 

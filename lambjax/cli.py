@@ -1,0 +1,121 @@
+"""What lambjax's commands share: a user's mistake ends a command with exit status 2 and one
+line, `PROGRAM: error: ...`, naming the value and what would be valid; never a traceback.
+
+`flags_parser(program)` is the `flags_parser` of `absl.app.run` for commands that take an
+ml_collections `--config=FILE[:ARG]` with `--config.FIELD=VALUE` overrides. Before absl
+parses the flags it loads the config file itself and checks every override's field name and
+value, so that a missing file, a config argument the file rejects, a mistyped field or a
+value of the wrong type is reported as such (ml_collections would raise from inside flag
+parsing, with a traceback).
+"""
+
+import difflib
+import importlib.util
+import os
+import sys
+from typing import NoReturn
+
+import ml_collections
+from absl import flags
+
+
+def fail(program: str, message: str) -> NoReturn:
+    print(f"{program}: error: {message}", file=sys.stderr)
+    sys.exit(2)
+
+
+def flags_parser(program: str, config_flag: str = "config"):
+    def parse(argv: list[str]) -> list[str]:
+        try:
+            check_config_flags(argv[1:], config_flag)
+            return flags.FLAGS(argv)
+        except (flags.Error, ValueError) as error:
+            fail(program, str(error).strip().splitlines()[0])
+
+    return parse
+
+
+def check_config_flags(args: list[str], name: str = "config") -> None:
+    """Raises ValueError naming the first bad `--NAME` or `--NAME.FIELD` flag in `args`."""
+    spec, overrides = None, []
+    for index, arg in enumerate(args):
+        if arg == f"--{name}" and index + 1 < len(args):
+            spec = args[index + 1]
+        elif arg.startswith(f"--{name}="):
+            spec = arg.split("=", 1)[1]
+        elif arg.startswith((f"--{name}.", f"--no{name}.")):
+            overrides.append(arg)
+    if spec is None:
+        return  # absl reports the missing flag
+    config = load_config(spec, name)
+    for override in overrides:
+        check_override(config, override, spec, name)
+
+
+def load_config(spec: str, name: str = "config") -> ml_collections.ConfigDict:
+    """`get_config(ARG)` of the file in `FILE[:ARG]`, as ml_collections' config flag calls it."""
+    path, _, arg = spec.partition(":")
+    if not os.path.isfile(path):
+        folder = os.path.dirname(path) or "."
+        known = (
+            sorted(f for f in os.listdir(folder) if f.endswith(".py"))
+            if os.path.isdir(folder)
+            else []
+        )
+        hint = f" (config files in {folder}: {', '.join(known)})" if known else ""
+        raise ValueError(f"--{name}={spec}: no such config file {path}{hint}")
+    module_spec = importlib.util.spec_from_file_location("lambjax_config_file", path)
+    module = importlib.util.module_from_spec(module_spec)
+    module_spec.loader.exec_module(module)
+    if not hasattr(module, "get_config"):
+        raise ValueError(f"--{name}={spec}: {path} defines no get_config()")
+    try:
+        return module.get_config(arg) if arg else module.get_config()
+    except ValueError as error:
+        raise ValueError(f"--{name}={spec}: {error}") from error
+
+
+def check_override(config, override: str, spec: str, name: str) -> None:
+    flag, has_value, value = override.partition("=")
+    negated = flag.startswith(f"--no{name}.")
+    path = flag.split(".", 1)[1]
+    node, parts = config, path.split(".")
+    for depth, part in enumerate(parts):
+        where = ".".join(parts[:depth])
+        if not isinstance(node, ml_collections.ConfigDict):
+            raise ValueError(f"{flag}: config.{where} is a value, not a group of fields")
+        if part not in node:
+            close = difflib.get_close_matches(part, list(node.keys()), n=1)
+            hint = f"; did you mean {close[0]}?" if close else f"; fields: {sorted(node.keys())}"
+            prefix = f"config.{where}" if where else "the config"
+            raise ValueError(f"{flag}: {prefix} ({spec}) has no field {part!r}{hint}")
+        leaf_type = node.get_type(part)
+        node = node[part]
+    if not has_value or isinstance(node, ml_collections.ConfigDict):
+        if negated or not has_value:
+            if leaf_type is not bool:
+                raise ValueError(f"{flag}: config.{path} is not a bool; give --{name}.{path}=VALUE")
+        return
+    check_type(f"{flag}={value}", f"config.{path}", leaf_type, node, value)
+
+
+def check_type(flag: str, field: str, leaf_type, current, value: str) -> None:
+    """Values of int, float and bool fields must parse as such (others: ml_collections)."""
+    parsers = {int: int, float: float, bool: _parse_bool}
+    if leaf_type not in parsers:
+        return
+    try:
+        parsers[leaf_type](value)
+    except ValueError:
+        raise ValueError(
+            f"{flag}: {field} takes {_TYPE_NAMES[leaf_type]} (the config gives {current!r})"
+        ) from None
+
+
+def _parse_bool(value: str) -> bool:
+    if value.lower() not in ("true", "false", "1", "0"):
+        raise ValueError(value)
+    return value.lower() in ("true", "1")
+
+
+_TYPE_NAMES = {int: "an integer", float: "a number", bool: "true or false"}
