@@ -186,15 +186,8 @@ def from_transformers(path: str) -> tuple[bert.BertConfig, dict]:
     return config, params
 
 
-def to_transformers(
-    config: bert.BertConfig, params: dict, path: str, vocab_file: str | None = None
-) -> None:
-    """Writes a directory that `transformers.BertForPreTraining.from_pretrained` loads."""
-    if config.layer_norm != "post":
-        raise ValueError("transformers BERT is PostLN: a layer_norm='pre' model cannot export")
-    from safetensors.numpy import save_file
-
-    params = jax.tree.map(lambda x: np.asarray(x, np.float32), params)
+def _encoder_state(config: bert.BertConfig, params: dict) -> dict[str, np.ndarray]:
+    """The embeddings' and encoder layers' tensors under transformers' `bert.` names."""
     state = {}
     for ours, theirs in _EMBEDDINGS.items():
         state["bert." + theirs] = params[ours[0]][ours[1]][ours[2]]
@@ -207,6 +200,19 @@ def to_transformers(
                 state[f"bert.encoder.layer.{i}.{theirs}.{hf_leaf}"] = _to_hf(
                     node[leaf][i], kind, leaf == "bias"
                 )
+    return state
+
+
+def to_transformers(
+    config: bert.BertConfig, params: dict, path: str, vocab_file: str | None = None
+) -> None:
+    """Writes a directory that `transformers.BertForPreTraining.from_pretrained` loads."""
+    if config.layer_norm != "post":
+        raise ValueError("transformers BERT is PostLN: a layer_norm='pre' model cannot export")
+    from safetensors.numpy import save_file
+
+    params = jax.tree.map(lambda x: np.asarray(x, np.float32), params)
+    state = _encoder_state(config, params)
     for (ours,), (theirs, kind) in _HEADS.items():
         for leaf, hf_leaf in _leaf_names(kind):
             state[f"{theirs}.{hf_leaf}"] = _to_hf(params["heads"][ours][leaf], kind, leaf == "bias")
@@ -220,3 +226,93 @@ def to_transformers(
         json.dump(config_to_hf(config), f, indent=2)
     if vocab_file:
         shutil.copyfile(vocab_file, os.path.join(path, "vocab.txt"))
+
+
+# ----------------------------------------------------------------------------------------
+# Fine-tuned models: the task heads of lambjax.models.heads
+
+
+def to_transformers_task(
+    config: bert.BertConfig,
+    params: dict,
+    path: str,
+    *,
+    labels: tuple | list | None = None,
+    vocab_file: str | None = None,
+    lower_case: bool | None = None,
+) -> None:
+    """Writes a fine-tuned model for `BertForQuestionAnswering` (a span head,
+    heads/qa_outputs) or `BertForSequenceClassification` (heads/pooler + heads/classifier;
+    `labels` names the classes, one output is regression). With `lower_case`, a
+    tokenizer_config.json records it for the tokenizer."""
+    if config.layer_norm != "post":
+        raise ValueError("transformers BERT is PostLN: a layer_norm='pre' model cannot export")
+    from safetensors.numpy import save_file
+
+    params = jax.tree.map(lambda x: np.asarray(x, np.float32), params)
+    state = _encoder_state(config, params)
+    head = params["heads"]
+    hf_config = config_to_hf(config)
+    if "qa_outputs" in head:
+        state["qa_outputs.weight"] = head["qa_outputs"]["kernel"].T
+        state["qa_outputs.bias"] = head["qa_outputs"]["bias"]
+        hf_config["architectures"] = ["BertForQuestionAnswering"]
+    elif "classifier" in head:
+        for name, ours in (("bert.pooler.dense", "pooler"), ("classifier", "classifier")):
+            state[f"{name}.weight"] = head[ours]["kernel"].T
+            state[f"{name}.bias"] = head[ours]["bias"]
+        num_labels = head["classifier"]["bias"].shape[0]
+        names = list(labels) if labels is not None else [f"LABEL_{i}" for i in range(num_labels)]
+        if len(names) != num_labels and not (num_labels == 1 and not labels):
+            raise ValueError(f"labels {names} do not match the classifier's {num_labels} outputs")
+        hf_config.update(
+            architectures=["BertForSequenceClassification"],
+            id2label={str(i): n for i, n in enumerate(names)},
+            label2id={n: i for i, n in enumerate(names)},
+            problem_type="regression" if num_labels == 1 else "single_label_classification",
+        )
+    else:
+        raise ValueError(f"params['heads'] has {sorted(head)}: no span or classifier head")
+    os.makedirs(path, exist_ok=True)
+    state = {k: np.ascontiguousarray(v) for k, v in state.items()}
+    save_file(state, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+    with open(os.path.join(path, "config.json"), "w", encoding="utf-8") as f:
+        json.dump(hf_config, f, indent=2)
+    if vocab_file:
+        shutil.copyfile(vocab_file, os.path.join(path, "vocab.txt"))
+    if lower_case is not None:
+        with open(os.path.join(path, "tokenizer_config.json"), "w", encoding="utf-8") as f:
+            json.dump({"tokenizer_class": "BertTokenizer", "do_lower_case": lower_case}, f)
+
+
+def from_transformers_task(path: str) -> tuple[bert.BertConfig, dict, list | None]:
+    """Imports a `BertForQuestionAnswering` or `BertForSequenceClassification` directory:
+    (config, params with the head under `heads`, class names or None)."""
+    config, params = from_transformers(path)
+    state = _load_state_dict(path)
+    if "qa_outputs.weight" in state:
+        head = {
+            "qa_outputs": {
+                "kernel": state["qa_outputs.weight"].T.astype(np.float32),
+                "bias": state["qa_outputs.bias"].astype(np.float32),
+            }
+        }
+        labels = None
+    elif "classifier.weight" in state:
+        head = {
+            "pooler": params["heads"]["pooler"],
+            "classifier": {
+                "kernel": state["classifier.weight"].T.astype(np.float32),
+                "bias": state["classifier.bias"].astype(np.float32),
+            },
+        }
+        with open(os.path.join(path, "config.json"), encoding="utf-8") as f:
+            id2label = json.load(f).get("id2label") or {}
+        labels = [id2label[k] for k in sorted(id2label, key=int)] or None
+    else:
+        raise ValueError(f"{path}: neither qa_outputs nor classifier weights (no task head)")
+    return (
+        config,
+        {"embeddings": params["embeddings"], "encoder": params["encoder"], "heads": head},
+        labels,
+    )
