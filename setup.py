@@ -37,6 +37,8 @@ HF_REQUIRES = ["torch==2.13.0", "transformers>=5,<6", "safetensors>=0.4", "absl-
 EXTRAS_REQUIRE = {
     "train": TRAIN_REQUIRES,
     "hf": HF_REQUIRES,
+    # NVIDIA GPUs (CUDA 12 wheels, e.g. under launch/slurm/train.sbatch).
+    "cuda": ["jax[cuda12]>=0.10,<0.11"],
     # The test suite covers training and the interop as well as the optimizers.
     "test": ["pytest>=8", "pytest-xdist>=3.5", "ruff>=0.6", *TRAIN_REQUIRES, *HF_REQUIRES],
 }

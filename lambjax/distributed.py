@@ -1,30 +1,50 @@
 """The processes of a run: joining JAX's multi-controller runtime, barriers, stop requests.
 
 `initialize` must run before anything touches a JAX backend. Explicit arguments win; else
-the cluster is detected from the environment (Cloud TPU VM pods, SLURM) by JAX itself; with
-neither, the run is a single process. JAX is imported inside the functions: `lambjax.main`
-imports this module before it sets up host memory, which must precede JAX's threads.
+JAX's own cluster detection (`jax._src.clusters`: Cloud TPU VMs through the GCE metadata
+server, GKE, SLURM, Open MPI) finds the coordinator, the process count and this process's
+index; with neither, the run is a single process. Once joined, JAX's coordination service
+watches every process's heartbeat: a process that dies stops the others with an error (at
+their next collective, or after the heartbeat timeout), and a SIGTERM that reaches any
+process becomes a stop at a step every process agrees on (`StopRequest`).
+
+JAX is imported inside the functions: `lambjax.main` imports this module before it sets up
+host memory, which must precede JAX's threads.
 """
 
+import glob
 import os
 import signal
 
 from absl import logging
 
 
-def cluster_detected() -> bool:
-    """True inside a multi-host Cloud TPU VM slice or a multi-task SLURM job."""
-    tpu_hosts = os.environ.get("TPU_WORKER_HOSTNAMES", "")
-    if "," in tpu_hosts:
-        return True
-    return int(os.environ.get("SLURM_NTASKS", "1")) > 1 and "SLURM_JOB_ID" in os.environ
+def detected_cluster():
+    """The cluster environment JAX's own detection finds, or None.
+
+    The same search `jax.distributed.initialize()` makes with no arguments: the first
+    registered `ClusterEnv` (not opt-in only, e.g. mpi4py) whose `is_env_present()` holds.
+    """
+    from jax._src import clusters
+
+    for env in clusters.ClusterEnv._cluster_types:
+        if not env.opt_in_only_method and env.is_env_present():
+            return env
+    return None
 
 
 def initialize(
     coordinator_address: str | None = None,
     num_processes: int | None = None,
     process_id: int | None = None,
+    *,
+    heartbeat_timeout_seconds: int = 100,
 ) -> None:
+    """Joins the run's processes; a no-op for a single process.
+
+    A process whose heartbeats stop for `heartbeat_timeout_seconds` (JAX's default: 100) is
+    dead to the coordination service, which then stops every other process with an error.
+    """
     import jax
 
     given = [coordinator_address, num_processes, process_id]
@@ -37,25 +57,68 @@ def initialize(
             )
         if not 0 <= process_id < num_processes:
             raise ValueError(f"--process_id={process_id} must lie in [0, {num_processes})")
-        if platform() == "cpu":
-            # Cross-process collectives on CPU go through gloo (TCP).
-            jax.config.update("jax_cpu_collectives_implementation", "gloo")
-        jax.distributed.initialize(coordinator_address, num_processes, process_id)
-    elif cluster_detected():
-        jax.distributed.initialize()
+        _use_gloo_on_cpu()
+        jax.distributed.initialize(
+            coordinator_address,
+            num_processes,
+            process_id,
+            heartbeat_timeout_seconds=heartbeat_timeout_seconds,
+        )
     else:
-        return
+        cluster = detected_cluster()
+        # One process needs no coordinator, and joining would cost something: under SLURM
+        # JAX then restricts the process to GPU SLURM_LOCALID (one GPU of an `srun --pty`
+        # shell's eight).
+        if cluster is None or cluster.get_process_count() <= 1:
+            return
+        logging.info("jax.distributed: %s cluster detected", cluster.name)
+        _use_gloo_on_cpu()
+        jax.distributed.initialize(heartbeat_timeout_seconds=heartbeat_timeout_seconds)
     logging.info("jax.distributed: process %d of %d", jax.process_index(), jax.process_count())
 
 
-def platform() -> str:
+def _use_gloo_on_cpu() -> None:
+    if platform() == "cpu":
+        import jax
+
+        # Cross-process collectives on CPU go through gloo (TCP).
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+
+
+# How JAX itself finds TPU chips (jax/_src/hardware_utils.py): PCI devices of Google's vendor
+# id with a TPU device id (v3, v4, v5p, v5e, v6e, TPU7x). Only v4 VMs also have /dev/accel*
+# (v5e and later use VFIO), and Google's gVNIC network card shares the vendor id.
+_GOOGLE_PCI_VENDOR_ID = "0x1ae0"
+_TPU_PCI_DEVICE_IDS = {"0x0027", "0x0056", "0x005e", "0x0062", "0x0063", "0x006f", "0x0076"}
+
+
+def tpu_chip_count(root: str = "/") -> int:
+    """The TPU chips attached to this host, from the PCI devices under `root`/sys."""
+    count = 0
+    for vendor in glob.glob(os.path.join(root, "sys/bus/pci/devices/*/vendor")):
+        device = os.path.join(os.path.dirname(vendor), "device")
+        if _read(vendor) == _GOOGLE_PCI_VENDOR_ID and _read(device) in _TPU_PCI_DEVICE_IDS:
+            count += 1
+    return count
+
+
+def _read(path: str) -> str:
+    try:
+        with open(path) as f:
+            return f.read().strip()
+    except OSError:
+        return ""
+
+
+def platform(root: str = "/") -> str:
     """The platform JAX will run on: JAX_PLATFORMS's first entry, else detected."""
     platforms = os.environ.get("JAX_PLATFORMS", "")
     if platforms:
         return platforms.split(",")[0]
-    if os.path.exists("/dev/accel0"):
+    if tpu_chip_count(root):
         return "tpu"
-    return "gpu" if os.path.exists("/dev/nvidia0") else "cpu"
+    nvidia = ("dev/nvidia0", "dev/nvidiactl")
+    return "gpu" if any(os.path.exists(os.path.join(root, d)) for d in nvidia) else "cpu"
 
 
 def barrier(name: str) -> None:

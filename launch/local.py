@@ -6,8 +6,9 @@ r"""A simulated pod on one machine: N processes joined by jax.distributed on 127
 Each process gets D fake CPU devices and the flags --coordinator_address, --num_processes
 and --process_id, then the flags after `--`. Output is forwarded line by line with a [pN]
 prefix. When one process fails, the others are stopped (SIGTERM, then SIGKILL after a grace
-period) and the launcher exits non-zero; SIGTERM or Ctrl-C to the launcher is forwarded to
-every process (a pod-wide preemption).
+period) and the launcher exits non-zero. SIGTERM or Ctrl-C (SIGINT) to the launcher reaches
+every process as SIGTERM, a pod-wide preemption: they save at the same step and exit 0, and
+so does the launcher. A second Ctrl-C kills them (SIGKILL) without saving.
 """
 
 import argparse
@@ -106,9 +107,17 @@ def main(argv=None) -> int:
     args.flags = args.flags[1:] if args.flags[:1] == ["--"] else args.flags
     processes = start(args, args.port or free_port())
 
+    signals = []
+
     def forward_signal(signum, frame):
-        print(f"[launch] signal {signum}: forwarding to every process")
-        stop(processes, signum)
+        # The trainer saves on SIGTERM (a preemption), whichever signal stopped the launcher.
+        signals.append(signum)
+        if len(signals) == 1:
+            print(f"[launch] signal {signum}: SIGTERM to every process (they save and exit)")
+            stop(processes, signal.SIGTERM)
+        elif signum == signal.SIGINT:
+            print("[launch] second Ctrl-C: killing every process without saving")
+            stop(processes, signal.SIGKILL)
 
     signal.signal(signal.SIGTERM, forward_signal)
     signal.signal(signal.SIGINT, forward_signal)

@@ -126,25 +126,63 @@ def test_missing_setting_is_named(fake_path, tmp_path):
     assert result.returncode != 0 and "ZONE" in result.stderr and calls == []
 
 
-def test_slurm_script_runs_one_srun(fake_path, tmp_path):
-    result, calls = run(
-        "launch/slurm/train.sbatch",
-        ["--config.seed=3"],
-        fake_path,
-        tmp_path,
-        CONFIG="configs/bert_lamb.py:large",
-        WORKDIR="/shared/run",
-    )
-    assert result.returncode == 0, result.stderr
-    assert calls == [
+def sbatch_directives(script: str) -> dict[str, str]:
+    with open(os.path.join(REPO, script)) as f:
+        lines = [line.split(None, 1)[1].strip() for line in f if line.startswith("#SBATCH")]
+    return dict(line[2:].partition("=")[::2] for line in lines)
+
+
+def test_slurm_tasks_see_every_gpu_of_their_node_and_requeue_at_the_time_limit():
+    """JAX's SLURM detection gives task SLURM_LOCALID the GPU of that index, so each task
+    must see all its node's GPUs (--gpus-per-task would bind it to one); a clean save at
+    the time limit needs the batch shell's signal and a requeue-able job."""
+    directives = sbatch_directives("launch/slurm/train.sbatch")
+    assert "gpus-per-task" not in directives and "gpu-bind" not in directives
+    assert directives["gpus-per-node"] == directives["ntasks-per-node"]
+    assert directives["signal"].startswith("B:") and "requeue" in directives
+
+
+def test_slurm_script_runs_the_project_venv_and_names_a_missing_one(tmp_path):
+    from tests.launch import cluster_fakes
+
+    env = cluster_fakes.environment(tmp_path)
+    env.update(CONFIG="configs/bert_lamb.py:large", WORKDIR="/shared/run")
+    script = os.path.join(REPO, "launch/slurm/train.sbatch")
+    checkout = tmp_path / "checkout"
+    checkout.mkdir()
+    result = subprocess.run(["bash", script], cwd=checkout, env=env, capture_output=True, text=True)
+    assert result.returncode == 2 and cluster_fakes.calls(env, "srun") == []
+    assert f"no Python at {checkout}/.venv/bin/python" in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1
+
+
+def test_ctrl_c_on_the_local_launcher_stops_every_process_with_sigterm(tmp_path):
+    """Ctrl-C sends SIGINT to the launcher (its processes run in their own sessions); they
+    must get SIGTERM, on which the trainer saves and exits 0, and the launcher exits 0."""
+    import signal
+    import sys
+    import time
+
+    launcher = subprocess.Popen(
         [
-            "srun",
-            "--kill-on-bad-exit=1",
-            "python3",
-            "-m",
-            "lambjax.main",
-            "--config=configs/bert_lamb.py:large",
-            "--workdir=/shared/run",
-            "--config.seed=3",
-        ]
-    ]
+            sys.executable,
+            "launch/local.py",
+            "--processes=2",
+            "--module=tests.launch.signal_probe",
+            "--",
+            f"--workdir={tmp_path}",
+        ],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    records = [tmp_path / f"process-{i}" for i in range(2)]
+    deadline = time.time() + 60
+    while not all(r.exists() for r in records):
+        assert launcher.poll() is None and time.time() < deadline
+        time.sleep(0.05)
+    launcher.send_signal(signal.SIGINT)
+    out, _ = launcher.communicate(timeout=60)
+    assert launcher.returncode == 0, out
+    assert [r.read_text().split() for r in records] == [["ready", "SIGTERM"]] * 2

@@ -1,16 +1,23 @@
-"""A simulated pod: 2 processes x 2 devices through launch/local.py train like 1 x 4."""
+"""Simulated pods: 2 processes x 2 devices train like 1 x 4, whether joined through
+launch/local.py's flags or through JAX's SLURM detection under a fake sbatch and srun."""
 
 import os
+import random
+import re
+import signal
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
 
 from tests import helpers
 from tests.helpers import REPO, demo_command, losses, run_demo
+from tests.launch import cluster_fakes
 
 STEPS = 6
+OVERRIDES = ("--config.phase_order=('phase1',)", f"--config.phases.phase1.num_steps={STEPS}")
 
 
 def pod(workdir, data_dir, processes, devices, *extra):
@@ -24,23 +31,87 @@ def pod(workdir, data_dir, processes, devices, *extra):
     ]
 
 
-def test_two_processes_train_like_one(data_dir, tmp_path):
-    overrides = ("--config.phase_order=('phase1',)", f"--config.phases.phase1.num_steps={STEPS}")
-    one = str(tmp_path / "one")
-    run_demo(one, data_dir, 4, *overrides)
+@pytest.fixture(scope="module")
+def reference(data_dir, tmp_path_factory):
+    """The losses of one process with 4 devices, and its workdir."""
+    workdir = str(tmp_path_factory.mktemp("one"))
+    run_demo(workdir, data_dir, 4, *OVERRIDES)
+    return workdir, losses(workdir)
+
+
+def test_two_processes_train_like_one(data_dir, reference, tmp_path):
+    one, expected = reference
     two = str(tmp_path / "two")
-    result = helpers.run(pod(two, data_dir, 2, 2, *overrides), 2)
+    result = helpers.run(pod(two, data_dir, 2, 2, *OVERRIDES), 2)
     assert "[p0]" in result.stdout and "[p1]" in result.stdout
-    expected, got = losses(one), losses(two)
+    got = losses(two)
     assert sorted(got) == list(range(1, STEPS + 1))
     for step, loss in got.items():
         assert loss == pytest.approx(expected[step], rel=1e-5), step
     # A checkpoint written by 2 processes restores in 1, and one written by 1 in 2: both
     # restore the final step-6 state (and find the phase finished).
-    resumed = run_demo(two, data_dir, 4, *overrides)
+    resumed = run_demo(two, data_dir, 4, *OVERRIDES)
     assert "resuming from its checkpoint at step 6" in resumed.stderr
-    result = helpers.run(pod(one, data_dir, 2, 2, *overrides), 2)
+    result = helpers.run(pod(one, data_dir, 2, 2, *OVERRIDES), 2)
     assert "[p1]" in result.stdout and "resuming from its checkpoint at step 6" in result.stdout
+
+
+def time_limit_signal(script: str) -> int:
+    """The signal the script asks SLURM to send its batch shell (`--signal=B:SIG@secs`)."""
+    with open(os.path.join(REPO, script)) as f:
+        match = re.search(r"^#SBATCH --signal=B:(\w+)@\d+$", f.read(), re.MULTILINE)
+    assert match, f"{script} asks for no signal to its batch shell before the time limit"
+    return getattr(signal, f"SIG{match.group(1)}")
+
+
+def test_slurm_job_saves_at_the_time_limit_requeues_and_resumes(data_dir, reference, tmp_path):
+    """Two tasks that srun started join through JAX's SLURM detection; the time limit's
+    signal makes both save (async checkpoints) and the job requeue itself; the requeued job
+    resumes and its losses are those of one process with 4 devices."""
+    script = "launch/slurm/train.sbatch"
+    workdir = str(tmp_path / "slurm")
+    env = cluster_fakes.environment(tmp_path, helpers.environment(2))
+    job_id = str(random.randrange(10**5, 10**6))  # JAX's coordinator port: id % 4096 + 61440
+    env.update(FAKE_SLURM_JOB_ID=job_id, CONFIG="configs/default.py:runlocal", WORKDIR=workdir)
+    flags = demo_command(workdir, data_dir, *OVERRIDES)[5:]  # after --config and --workdir
+    sbatch = subprocess.Popen(
+        ["sbatch", "--nodes=1", "--ntasks-per-node=2", script, *flags],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    output = []
+
+    def read():
+        for line in sbatch.stdout:
+            output.append(line)
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    deadline = time.time() + 300
+    while not any("Phase phase1: training steps 1.." in line for line in output):
+        assert sbatch.poll() is None and time.time() < deadline, "".join(output)[-5000:]
+        time.sleep(0.1)
+    with open(cluster_fakes.state_file(env, "batch_pid")) as f:
+        os.kill(int(f.read()), time_limit_signal(script))
+    assert sbatch.wait(timeout=300) == 0, "".join(output)[-5000:]
+    reader.join(timeout=10)
+    text = "".join(output)
+    assert "jax.distributed: slurm cluster detected" in text
+    assert re.search(r"process 1 of 2, 2 local / 4 global devices", text)
+    stopped = [int(s) for s in re.findall(r"Reached preemption sync point, step=(\d+)", text)]
+    assert stopped and max(stopped) < STEPS, text[-5000:]
+    assert cluster_fakes.calls(env, "scontrol") == [["scontrol", "requeue", job_id]]
+    runs = cluster_fakes.calls(env, "srun")
+    assert len(runs) == 2  # the first job and its requeued rerun
+    assert runs[0][2] == os.path.join(REPO, ".venv", "bin", "python")
+    assert f"resuming from its checkpoint at step {max(stopped)}" in text, text[-5000:]
+    got, expected = losses(workdir), reference[1]
+    assert sorted(got) == list(range(1, STEPS + 1))
+    for step, loss in got.items():
+        assert loss == pytest.approx(expected[step], rel=1e-5), step
 
 
 def test_a_killed_process_stops_the_pod(data_dir, tmp_path):

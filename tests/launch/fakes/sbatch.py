@@ -1,0 +1,83 @@
+"""A fake `sbatch` that runs the batch script at once, on this machine, as its batch shell.
+
+Simulated, each from sbatch(1) (https://slurm.schedmd.com/sbatch.html):
+- Options come from the command line and from `#SBATCH` lines at the top of the script,
+  those on the command line taking precedence ("options on the command line override
+  options specified in the batch script"); arguments after the script go to the script.
+- Its INPUT/OUTPUT ENVIRONMENT VARIABLES: the batch shell sees SLURM_JOB_ID,
+  SLURM_JOB_NUM_NODES and SLURM_NNODES, SLURM_NTASKS (nodes x --ntasks-per-node),
+  SLURM_NTASKS_PER_NODE, SLURM_JOB_NODELIST, SLURM_SUBMIT_DIR (the directory sbatch ran in)
+  and SLURM_RESTART_COUNT (how often the job was requeued).
+- `--requeue`: a requeued job's batch script "will be restarted from its beginning" with
+  the same job id (scontrol(1), requeue); the fake starts it again when the batch shell
+  has ended and `scontrol requeue` was called for the job.
+- It prints "Submitted batch job <id>".
+Unlike the real one it returns only when the job has ended (with the batch shell's exit
+status), and the time limit's `--signal=B:<sig>@<secs>` is left to the test, which reads
+the batch shell's pid from $FAKE_STATE/batch_pid.
+"""
+
+import os
+import shlex
+import subprocess
+import sys
+
+import common
+
+MAX_REQUEUES = 3
+
+
+def script_options(path: str) -> list[str]:
+    options = []
+    with open(path) as f:
+        for line in f:
+            if line.startswith("#SBATCH"):
+                options.extend(shlex.split(line[len("#SBATCH") :]))
+    return options
+
+
+def parse(options: list[str]) -> dict:
+    parsed = {}
+    for option in options:
+        if option.startswith("--"):
+            key, _, value = option[2:].partition("=")
+            parsed[key] = value or True
+    return parsed
+
+
+def main(argv):
+    common.record("sbatch", argv)
+    index = next(i for i, a in enumerate(argv) if not a.startswith("-"))
+    script, script_args = argv[index], argv[index + 1 :]
+    options = {**parse(script_options(script)), **parse(argv[:index])}
+    nodes = int(options.get("nodes", 1))
+    per_node = int(options.get("ntasks-per-node", 1))
+    job_id = os.environ.get("FAKE_SLURM_JOB_ID", "4242")
+    print(f"Submitted batch job {job_id}", flush=True)
+    common.save("job", {"id": job_id, "options": options, "requeue": False})
+    status = 0
+    for restart in range(MAX_REQUEUES + 1):
+        env = dict(
+            os.environ,
+            SLURM_JOB_ID=job_id,
+            SLURM_JOB_NUM_NODES=str(nodes),
+            SLURM_NNODES=str(nodes),
+            SLURM_NTASKS=str(nodes * per_node),
+            SLURM_NTASKS_PER_NODE=str(per_node),
+            SLURM_JOB_NODELIST="localhost",
+            SLURM_SUBMIT_DIR=os.getcwd(),
+            SLURM_RESTART_COUNT=str(restart),
+        )
+        shell = subprocess.Popen(["bash", script, *script_args], env=env)
+        with open(os.path.join(common.state_dir(), "batch_pid"), "w") as f:
+            f.write(str(shell.pid))
+        status = shell.wait()
+        job = common.load("job", {})
+        if not job.get("requeue"):
+            break
+        common.save("job", {**job, "requeue": False})
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,127 @@
+"""Joining a run's processes through JAX's own cluster detection (a Cloud TPU VM through a
+fake GCE metadata server, SLURM through a fake srun); a dead process stopping the others;
+finding TPU chips of every generation."""
+
+import subprocess
+import sys
+import time
+
+import jax
+import pytest
+from jax._src.clusters import cloud_tpu_cluster
+
+from lambjax import distributed
+from tests import helpers
+from tests.helpers import REPO
+from tests.launch import cluster_fakes
+from tests.launch.fakes.metadata_server import MetadataServer, tpu_vm_worker
+
+
+@pytest.fixture
+def tpu_vm(monkeypatch):
+    """Worker 2 of a 4-worker TPU VM slice, as far as JAX's detection can tell."""
+    server = MetadataServer(
+        tpu_vm_worker(2, ["10.130.0.5", "10.130.0.6", "10.130.0.7", "10.130.0.8"])
+    )
+    monkeypatch.setenv("GCE_METADATA_IP", server.address)
+    # jax/_src/cloud_tpu_init.py sets these when it finds no TPU chip on the PCI bus, as on
+    # this machine; on a TPU VM, running_in_cloud_tpu_vm is True and the variable unset.
+    monkeypatch.setattr(cloud_tpu_cluster, "running_in_cloud_tpu_vm", True)
+    monkeypatch.delenv("TPU_SKIP_MDS_QUERY", raising=False)
+    for name in ("TPU_WORKER_HOSTNAMES", "TPU_PROCESS_ADDRESSES", "SLURM_JOB_ID"):
+        monkeypatch.delenv(name, raising=False)
+    yield
+    server.close()
+
+
+def test_a_tpu_vm_slice_is_joined_through_jax_detection(tpu_vm, monkeypatch):
+    joined = []
+    monkeypatch.setattr(jax.distributed, "initialize", lambda *a, **k: joined.append((a, k)))
+    monkeypatch.setattr(jax, "process_index", lambda: 2)
+    monkeypatch.setattr(jax, "process_count", lambda: 4)
+    assert distributed.detected_cluster().name == "gcetpu"
+    distributed.initialize()
+    # jax.distributed.initialize finds everything itself; what it finds from the metadata:
+    assert joined == [((), {"heartbeat_timeout_seconds": 100})]
+    from jax._src.clusters import ClusterEnv
+
+    found = ClusterEnv.auto_detect_unset_distributed_params(None, None, None, None, None, 10)
+    assert found == ("10.130.0.5:8482", 4, 2, None)
+
+
+def test_no_cluster_is_a_single_process(monkeypatch):
+    for name in ("SLURM_JOB_ID", "TPU_WORKER_HOSTNAMES", "OMPI_MCA_orte_hnp_uri"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(jax.distributed, "initialize", lambda *a, **k: pytest.fail("joined"))
+    assert distributed.detected_cluster() is None
+    distributed.initialize()
+
+
+def test_explicit_flags_go_together():
+    with pytest.raises(ValueError, match="go together.*num_processes=2, process_id=None"):
+        distributed.initialize("127.0.0.1:1234", 2, None)
+    with pytest.raises(ValueError, match=r"--process_id=2 must lie in \[0, 2\)"):
+        distributed.initialize("127.0.0.1:1234", 2, 2)
+
+
+PROBE = """
+import os, sys, time
+from lambjax import distributed
+distributed.initialize(heartbeat_timeout_seconds=5)
+import jax
+print(f"joined {jax.process_index()} of {jax.process_count()}", flush=True)
+if jax.process_index() == 1:
+    os._exit(3)
+distributed.barrier("after-the-death")
+print("process 0 passed the barrier alone", flush=True)
+"""
+
+
+def test_a_dead_process_stops_the_others(tmp_path):
+    """Two tasks under (fake) srun without --kill-on-bad-exit: the second dies after joining;
+    JAX's coordination service stops the first with an error instead of leaving it waiting."""
+    env = cluster_fakes.environment(tmp_path, helpers.environment(1))
+    job_id = str(int(time.time() * 1000) % 10**6)
+    env.update(SLURM_JOB_ID=job_id, SLURM_NTASKS="2", SLURM_NTASKS_PER_NODE="2")
+    started = time.time()
+    result = subprocess.run(
+        ["srun", sys.executable, "-c", PROBE],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert "joined 0 of 2" in result.stdout and "joined 1 of 2" in result.stdout
+    assert "passed the barrier" not in result.stdout
+    assert result.returncode != 0
+    assert "another task died" in result.stderr or "heartbeat" in result.stderr
+    assert time.time() - started < 90
+
+
+@pytest.mark.parametrize(
+    "generation, device_id",
+    [("v4", "0x005e"), ("v5e", "0x0063"), ("v5p", "0x0062"), ("v6e", "0x006f")],
+)
+def test_tpu_chips_are_found_on_the_pci_bus(tmp_path, monkeypatch, generation, device_id):
+    monkeypatch.delenv("JAX_PLATFORMS", raising=False)
+    pci = tmp_path / "sys" / "bus" / "pci" / "devices"
+    for slot, (vendor, device) in enumerate([("0x1ae0", "0x0042"), ("0x1ae0", device_id)]):
+        (pci / f"0000:00:0{slot + 4}.0").mkdir(parents=True)
+        (pci / f"0000:00:0{slot + 4}.0" / "vendor").write_text(vendor + "\n")
+        (pci / f"0000:00:0{slot + 4}.0" / "device").write_text(device + "\n")
+    (tmp_path / "dev" / "vfio").mkdir(parents=True)  # v5e and later: no /dev/accel*
+    assert distributed.tpu_chip_count(str(tmp_path)) == 1, generation
+    assert distributed.platform(str(tmp_path)) == "tpu"
+
+
+def test_gvnic_alone_is_not_a_tpu(tmp_path, monkeypatch):
+    monkeypatch.delenv("JAX_PLATFORMS", raising=False)
+    nic = tmp_path / "sys" / "bus" / "pci" / "devices" / "0000:00:04.0"
+    nic.mkdir(parents=True)
+    (nic / "vendor").write_text("0x1ae0\n")  # Google's vendor id, the gVNIC device id
+    (nic / "device").write_text("0x0042\n")
+    assert distributed.platform(str(tmp_path)) == "cpu"
+    (tmp_path / "dev").mkdir()
+    (tmp_path / "dev" / "nvidiactl").write_text("")
+    assert distributed.platform(str(tmp_path)) == "gpu"
