@@ -31,14 +31,16 @@ def get_config(arg=None):
     size, names = variants.parse_arg(arg, sizes=("base", "large"))
     config = config_lib.pod_config(size or "base")
     config.optimizer = config_lib.optimizer_config("lans")
-    # Gradient accumulation here suits 256 devices; set grad_accum_steps for your pod.
+    # Each device computes micro-batches of 64 sequences of 128 tokens (phase 1) and 8 of 512
+    # (phase 2); the gradient accumulation follows from the device count (e.g. phase 1 on 256
+    # devices: 6 micro-batches per step). --config.phases.phaseN.grad_accum_steps=K fixes it.
     config_lib.with_phases(
         config,
         phase1=config_lib.phase_config(
             max_seq_length=128,
             max_predictions_per_seq=20,
             global_batch_size=98304,
-            grad_accum_steps=6,
+            micro_batch_per_device=64,
             num_steps=4692,
             **SCHEDULE,
         ),
@@ -46,7 +48,7 @@ def get_config(arg=None):
             max_seq_length=512,
             max_predictions_per_seq=80,
             global_batch_size=32768,
-            grad_accum_steps=16,
+            micro_batch_per_device=8,
             num_steps=1563,
             optimizer_state="keep",
             **SCHEDULE,

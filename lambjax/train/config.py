@@ -75,7 +75,8 @@ def phase_config(
     schedule: str = "poly_warmup",
     warmup_fraction: float = 0.01,
     constant_fraction: float = 0.0,
-    grad_accum_steps: int = 1,
+    grad_accum_steps: int | None = None,
+    micro_batch_per_device: int | None = None,
     optimizer_state: str = "keep",
     num_layers: int | None = None,
     frozen_layers: int = 0,
@@ -85,7 +86,14 @@ def phase_config(
             "max_seq_length": max_seq_length,
             "max_predictions_per_seq": max_predictions_per_seq,
             "global_batch_size": global_batch_size,
-            "grad_accum_steps": grad_accum_steps,
+            # The gradient accumulation: `grad_accum_steps` micro-batches per step where it
+            # is given; else derived from the rows each data-parallel device computes at once,
+            # global_batch_size / (micro_batch_per_device x data-parallel devices), so that
+            # one recipe fits any pod; with neither, 1.
+            "grad_accum_steps": ml_collections.FieldReference(grad_accum_steps, field_type=int),
+            "micro_batch_per_device": ml_collections.FieldReference(
+                micro_batch_per_device, field_type=int
+            ),
             "num_steps": num_steps,
             "learning_rate": learning_rate,
             "schedule": schedule,
@@ -296,14 +304,14 @@ def validate_phase(config, name: str, index: int, *, num_devices: int, process_c
                 f"{where}.optimizer_state='keep' needs the same optimizer as phase "
                 f"{previous!r}; set it to 'reset' to change optimizers"
             )
-    accum = phase.grad_accum_steps
-    if accum <= 0 or phase.global_batch_size % accum:
+    mesh = phase_mesh(config, name)
+    data_parallel = _data_parallel_size(mesh, num_devices, where)
+    accum = grad_accum_steps(phase, data_parallel, where)
+    if phase.global_batch_size % accum:
         raise ConfigError(
             f"{where}.global_batch_size={phase.global_batch_size} is not divisible by "
             f"grad_accum_steps={accum}"
         )
-    mesh = phase_mesh(config, name)
-    data_parallel = _data_parallel_size(mesh, num_devices, where)
     micro_batch = phase.global_batch_size // accum
     if micro_batch % data_parallel:
         raise ConfigError(
@@ -317,6 +325,52 @@ def validate_phase(config, name: str, index: int, *, num_devices: int, process_c
             f"{where}.global_batch_size={phase.global_batch_size} does not divide over "
             f"{process_count} processes"
         )
+
+
+def grad_accum_steps(phase, data_parallel: int, where: str = "config.phases.<phase>") -> int:
+    """The phase's micro-batches per step on `data_parallel` (mesh data x fsdp) devices.
+
+    `grad_accum_steps` where given; else global_batch_size / (micro_batch_per_device x
+    data_parallel), which must be a whole number >= 1; else 1.
+    """
+    if phase.grad_accum_steps is not None:
+        if phase.grad_accum_steps <= 0:
+            raise ConfigError(
+                f"{where}.grad_accum_steps={phase.grad_accum_steps} must be a positive integer"
+            )
+        return phase.grad_accum_steps
+    per_device = phase.micro_batch_per_device
+    if per_device is None:
+        return 1
+    if per_device <= 0:
+        raise ConfigError(f"{where}.micro_batch_per_device={per_device} must be a positive integer")
+    batch, micro_batch = phase.global_batch_size, per_device * data_parallel
+    if batch % micro_batch:
+        fits = [m for m in range(1, batch // data_parallel + 1) if batch % (m * data_parallel) == 0]
+        valid = (
+            f"valid micro_batch_per_device: {_few(fits)}"
+            if fits
+            else (f"no micro-batch fits: {batch} is not a multiple of {data_parallel}")
+        )
+        raise ConfigError(
+            f"{where}: global_batch_size={batch} is not a whole number of micro-batches of "
+            f"micro_batch_per_device={per_device} x {data_parallel} data-parallel devices = "
+            f"{micro_batch} rows; {valid}"
+        )
+    return batch // micro_batch
+
+
+def grad_accum_steps_on(phase, mesh) -> int:
+    """`grad_accum_steps` of a phase on its built jax Mesh (data-parallel: data x fsdp)."""
+    return grad_accum_steps(phase, mesh.shape["data"] * mesh.shape["fsdp"])
+
+
+def _few(values: list[int]) -> str:
+    return (
+        ", ".join(map(str, values))
+        if len(values) <= 8
+        else (", ".join(map(str, values[:4])) + ", ..., " + ", ".join(map(str, values[-2:])))
+    )
 
 
 def _data_parallel_size(mesh: dict, num_devices: int, where: str) -> int:

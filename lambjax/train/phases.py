@@ -87,7 +87,7 @@ class Phase:
             model_config=self.model_config,
             optimizer=self.optimizer,
             schedule=self.schedule,
-            grad_accum_steps=self.config.grad_accum_steps,
+            grad_accum_steps=config_lib.grad_accum_steps_on(self.config, self.mesh),
             nsp_loss_weight=self.nsp_loss_weight,
             layer_drop=self.layer_drop,
             num_frozen_layers=self.num_frozen_layers,

@@ -188,3 +188,92 @@ def test_bad_top_level_configs_name_the_value():
 
     with pytest.raises(config_lib.ConfigError, match=r"argument 'huge': \['huge'\] not understood"):
         load(CONFIG_FILES[0], "huge")
+
+
+# ----------------------------------------------------------------------------------------
+# Micro-batches per device: the accumulation follows from the device count
+
+
+def accumulation(config, num_devices):
+    config_lib.validate(config, num_devices=num_devices)
+    data_parallel = num_devices  # the recipes' mesh is all data / fsdp
+    return [
+        config_lib.grad_accum_steps(config.phases[name], data_parallel)
+        for name in config.phase_order
+    ]
+
+
+@pytest.mark.parametrize(
+    "recipe, devices, expected",
+    [
+        # A v4-32 (16 chips), 256 devices, a v5p-1024 (512 chips), a 4-device simulated pod.
+        ("bert_lamb.py", 16, [64, 256]),
+        ("bert_lamb.py", 256, [4, 16]),
+        ("bert_lamb.py", 512, [2, 8]),
+        ("bert_lamb.py", 4, [256, 1024]),
+        ("bert_lans.py", 16, [96, 256]),
+        ("bert_lans.py", 256, [6, 16]),
+        ("bert_lans.py", 512, [3, 8]),
+    ],
+)
+def test_recipes_derive_their_accumulation_from_the_device_count(recipe, devices, expected):
+    config = load(os.path.join(CONFIG_DIR, recipe), "large")
+    assert accumulation(config, devices) == expected
+    for name, steps in zip(config.phase_order, expected, strict=True):
+        phase = config.phases[name]
+        per_device = phase.global_batch_size // (steps * devices)
+        assert per_device == phase.micro_batch_per_device  # 64 (seq 128) and 8 (seq 512)
+
+
+def test_explicit_grad_accum_steps_wins_over_micro_batch_per_device():
+    config = load(os.path.join(CONFIG_DIR, "bert_lamb.py"), "large")
+    config.phases.phase1.grad_accum_steps = 32
+    assert accumulation(config, 16)[0] == 32
+    plain = default()  # neither given: one micro-batch per step
+    assert plain.phases.phase1.grad_accum_steps is None
+    assert accumulation(plain, 8)[0] == 1
+
+
+@pytest.mark.parametrize(
+    "batch, per_device, devices, message",
+    [
+        (
+            65536,
+            64,
+            2048,
+            "global_batch_size=65536 is not a whole number of micro-batches of "
+            "micro_batch_per_device=64 x 2048 data-parallel devices = 131072 rows; "
+            "valid micro_batch_per_device: 1, 2, 4, 8, 16, 32",
+        ),
+        (
+            98304,
+            40,
+            512,
+            "micro_batch_per_device=40 x 512 data-parallel devices = 20480 rows; valid "
+            "micro_batch_per_device: 1, 2, 3, 4, ..., 96, 192",
+        ),
+        (
+            1000,
+            1,
+            16,
+            "global_batch_size=1000 is not a whole number of micro-batches of "
+            "micro_batch_per_device=1 x 16 data-parallel devices = 16 rows; no micro-batch "
+            "fits: 1000 is not a multiple of 16",
+        ),
+    ],
+)
+def test_a_micro_batch_that_cannot_fit_names_the_numbers(batch, per_device, devices, message):
+    config = load(os.path.join(CONFIG_DIR, "bert_lamb.py"), "large")
+    config.phases.phase1.global_batch_size = batch
+    config.phases.phase1.micro_batch_per_device = per_device
+    with pytest.raises(config_lib.ConfigError) as error:
+        config_lib.validate(config, num_devices=devices)
+    line = str(error.value)
+    assert line.startswith("config.phases.phase1: ") and line.endswith(message), line
+    assert "\n" not in line
+
+
+def test_micro_batch_per_device_must_be_positive():
+    config = default(micro_batch_per_device=0)
+    with pytest.raises(config_lib.ConfigError, match="micro_batch_per_device=0 must be a pos"):
+        config_lib.validate(config, num_devices=8)
