@@ -1,46 +1,97 @@
 r"""Export a training run's newest checkpoint as a Hugging Face `transformers` BERT.
 
-  python -m lambjax.export --workdir=WORKDIR --out=DIR
+  python -m lambjax.export --workdir=WORKDIR --out=DIR [--overwrite]
 
-DIR then loads with `transformers.BertForPreTraining.from_pretrained(DIR)`: `config.json`,
-`model.safetensors`, and the run's `vocab.txt` when it still exists. The newest checkpoint is
-that of the last phase (in the run's `phase_order`) that has one; the arrays are read onto
-the host, whatever mesh wrote them.
+DIR then loads with `transformers.BertForPreTraining.from_pretrained(DIR)` and
+`AutoTokenizer.from_pretrained(DIR)`: `config.json`, `model.safetensors`, and the run's
+vocabulary as `vocab.txt`, `tokenizer.json` (the `tokenizers` WordPiece tokenizer lambjax
+trains and reads with), `tokenizer_config.json` and `special_tokens_map.json`, so that
+transformers tokenizes as the run did (its lower-casing, its special tokens, the model's
+maximum length). The newest checkpoint is that of the last phase (in the run's
+`phase_order`) that has one; the arrays are read onto the host, whatever mesh wrote them.
+Paths may be relative or absolute. A DIR that holds files is refused unless --overwrite.
 """
 
+import json
 import os
-import sys
 
 from absl import app, flags
 
+from lambjax import cli
+
 _WORKDIR = flags.DEFINE_string("workdir", None, "A lambjax training workdir.")
 _OUT = flags.DEFINE_string("out", None, "Directory to write the transformers checkpoint to.")
+_OVERWRITE = flags.DEFINE_bool("overwrite", False, "Replace the files of a non-empty --out.")
 flags.mark_flags_as_required(["workdir", "out"])
 
+SPECIAL_TOKENS = {
+    "unk_token": "[UNK]",
+    "sep_token": "[SEP]",
+    "pad_token": "[PAD]",
+    "cls_token": "[CLS]",
+    "mask_token": "[MASK]",
+}
 
-def export_workdir(workdir: str, out: str) -> str:
+
+def export_workdir(workdir: str, out: str, *, overwrite: bool = False) -> str:
     """Exports the newest checkpoint of a training workdir; returns what was exported."""
     from lambjax.models import bert, hf
     from lambjax.train import checkpointing
+    from lambjax.train.workdir import resolve
 
+    workdir, out = resolve(workdir), resolve(out)
+    if not os.path.isdir(workdir):
+        raise FileNotFoundError(f"--workdir={workdir}: no such directory")
+    if os.path.isdir(out) and os.listdir(out) and not overwrite:
+        raise FileExistsError(
+            f"--out={out} holds files; give an empty or new directory, or add --overwrite"
+        )
     meta, params = checkpointing.latest_params(workdir)
     config = bert.BertConfig(**meta["model_config"])
     vocab = meta.get("vocab_file")
-    hf.to_transformers(
-        config, params, out, vocab_file=vocab if vocab and os.path.exists(vocab) else None
+    vocab = vocab if vocab and os.path.exists(vocab) else None
+    hf.to_transformers(config, params, out, vocab_file=vocab)
+    if vocab:
+        lower_case = json.loads(meta["config"])["data"]["lower_case"]
+        save_tokenizer(out, vocab, lower_case, config.max_position_embeddings)
+    tokenizer = (
+        "with its tokenizer" if vocab else f"without a tokenizer ({meta.get('vocab_file')} is gone)"
     )
-    return f"{meta['phase']} of {workdir} ({config.num_layers} layers) -> {out}"
+    return f"{meta['phase']} of {workdir} ({config.num_layers} layers) -> {out}, {tokenizer}"
+
+
+def save_tokenizer(out: str, vocab_file: str, lower_case: bool, max_length: int) -> None:
+    """The files `transformers.AutoTokenizer` needs to tokenize as lambjax does."""
+    import tokenizers
+
+    tokenizers.BertWordPieceTokenizer(vocab_file, lowercase=lower_case).save(
+        os.path.join(out, "tokenizer.json")
+    )
+    config = {
+        "tokenizer_class": "BertTokenizer",
+        "do_lower_case": lower_case,
+        # None: accents are stripped exactly when lower-casing (BERT's and `tokenizers`' rule).
+        "strip_accents": None,
+        "tokenize_chinese_chars": True,
+        "model_max_length": max_length,
+        **SPECIAL_TOKENS,
+    }
+    for name, content in (
+        ("tokenizer_config.json", config),
+        ("special_tokens_map.json", SPECIAL_TOKENS),
+    ):
+        with open(os.path.join(out, name), "w", encoding="utf-8") as f:
+            json.dump(content, f, indent=2)
 
 
 def main(argv):
     if len(argv) > 1:
-        raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+        cli.fail("lambjax.export", f"unexpected arguments: {argv[1:]}")
     try:
-        print(export_workdir(_WORKDIR.value, _OUT.value))
-    except (FileNotFoundError, ValueError) as error:
-        print(f"lambjax.export: error: {error}", file=sys.stderr)
-        sys.exit(2)
+        print(export_workdir(_WORKDIR.value, _OUT.value, overwrite=_OVERWRITE.value))
+    except (FileNotFoundError, FileExistsError, ValueError) as error:
+        cli.fail("lambjax.export", str(error))
 
 
 if __name__ == "__main__":
-    app.run(main)
+    app.run(main, flags_parser=cli.flags_parser("lambjax.export"))

@@ -15,7 +15,6 @@ import sys
 import pytest
 
 from lambjax.train.metrics import read_jsonl
-from tests import helpers
 from tests.helpers import (
     PHASE1_STEPS,
     PHASE2_STEPS,
@@ -157,21 +156,90 @@ def test_bad_config_ends_with_one_line(tmp_path, data_dir):
     assert "Traceback" not in result.stderr
 
 
-def test_export_cli_writes_a_transformers_checkpoint(reference, tmp_path):
+def listing(root) -> dict:
+    """{relative path: size} of every file under `root`."""
+    return {
+        os.path.relpath(os.path.join(d, f), root): os.path.getsize(os.path.join(d, f))
+        for d, _, files in os.walk(root)
+        for f in files
+    }
+
+
+def test_a_changed_config_leaves_the_run_as_it_was(reference, data_dir, tmp_path):
+    workdir = str(tmp_path / "run")
+    shutil.copytree(reference, workdir)
+    before = listing(workdir)
+    result = run(workdir, data_dir, 4, "--config.model.preset=mini", "--config.seed=1", check=False)
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert result.stderr.strip().splitlines()[-4:] == [
+        f"lambjax: error: --workdir={workdir} holds a run with another config:",
+        '  model.preset: "tiny" in the workdir, "mini" now',
+        "  seed: 0 in the workdir, 1 now",
+        "Continue the run with the values in the workdir, or start a new run in another --workdir.",
+    ]
+    assert listing(workdir) == before  # nothing moved aside, written or deleted
+
+
+def test_a_run_resumes_with_more_steps_and_other_intervals(reference, data_dir, tmp_path):
+    workdir = str(tmp_path / "run")
+    shutil.copytree(reference, workdir)
+    more = PHASE2_STEPS + 2
+    result = run(
+        workdir,
+        data_dir,
+        2,
+        f"--config.phases.phase2.num_steps={more}",
+        "--config.log_every_steps=2",
+    )
+    assert "changed setting: phases.phase2.num_steps: 6 in the workdir, 8 now" in result.stderr
+    assert f"training steps {PHASE2_STEPS + 1}..{more}" in result.stderr
+    assert os.path.isdir(os.path.join(workdir, "checkpoints", "phase2", str(more)))
+
+
+def test_export_from_a_relative_workdir_predicts_as_lambjax(reference, tmp_path):
+    """transformers' fill-mask pipeline on the export gives lambjax's own top predictions,
+    with the run's tokenizer (its casing and special tokens)."""
+    import jax.numpy as jnp
     import numpy as np
-    import torch
     import transformers
 
-    out = str(tmp_path / "exported")
-    export = [sys.executable, "-m", "lambjax.export", f"--workdir={reference}", f"--out={out}"]
-    result = helpers.run(export, 1, timeout=300)
-    assert "phase2" in result.stdout
-    model = transformers.BertForPreTraining.from_pretrained(out).eval()
-    vocab = open(os.path.join(out, "vocab.txt"), encoding="utf-8").read().split("\n")
-    assert model.config.vocab_size == len([t for t in vocab if t])
-    with torch.no_grad():
-        logits = model(input_ids=torch.tensor([[2, 10, 11, 3]])).prediction_logits
-    assert np.isfinite(logits.numpy()).all()
+    from lambjax.data import tokenization
+    from lambjax.models import bert, pretraining
+    from lambjax.train import checkpointing
+
+    shutil.copytree(reference, tmp_path / "run")
+    export = [sys.executable, "-m", "lambjax.export", "--workdir=run", "--out=exported"]
+    result = subprocess.run(
+        export, cwd=tmp_path, env=environment(1), capture_output=True, text=True
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "phase2" in result.stdout and "with its tokenizer" in result.stdout
+    again = subprocess.run(export, cwd=tmp_path, env=environment(1), capture_output=True, text=True)
+    assert again.returncode == 2
+    assert again.stderr.endswith(
+        "holds files; give an empty or new directory, or add --overwrite\n"
+    )
+
+    meta, params = checkpointing.latest_params(str(tmp_path / "run"))
+    config = bert.BertConfig(**{**meta["model_config"], "dtype": "float32"})
+    ours = tokenization.load(meta["vocab_file"], lower_case=True)
+    fill = transformers.pipeline("fill-mask", model=str(tmp_path / "exported"), top_k=3)
+    for sentence in (
+        "Return the [MASK] of the list.",
+        "The Module Imports [MASK] Functions from the library.",
+        "If the value is [MASK], raise an error.",
+    ):
+        ids = ours.encode(sentence).ids
+        assert fill.tokenizer(sentence)["input_ids"] == ids  # the same tokenization
+        batch = {
+            "input_ids": jnp.asarray([ids]),
+            "segment_ids": jnp.zeros((1, len(ids)), jnp.int32),
+            "input_mask": jnp.ones((1, len(ids)), jnp.int32),
+            "masked_lm_positions": jnp.asarray([[ids.index(ours.token_to_id("[MASK]"))]]),
+        }
+        logits, _ = pretraining.pretraining_logits(config, params, batch)
+        top = list(np.argsort(-np.asarray(logits[0, 0]))[:3])
+        assert [p["token"] for p in fill(sentence)] == top, sentence
 
 
 def test_phase_two_with_a_fresh_optimizer_of_another_kind(reference, data_dir, tmp_path):
