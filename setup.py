@@ -29,6 +29,7 @@ TRAIN_REQUIRES = [
     "safetensors>=0.4",
     "absl-py>=1.4",
     "etils[epath]",  # lambjax.train.checkpointing uses epath directly
+    "matplotlib>=3.8",  # the plots of `python -m lambjax.sweep report`
 ]
 
 # Import from / export to PyTorch `transformers` checkpoints (lambjax.models.hf).
