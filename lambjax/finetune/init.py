@@ -1,0 +1,164 @@
+"""Where a fine-tuning run's encoder, vocabulary and lower-casing come from (`config.init`).
+
+  workdir:PATH    a lambjax pretraining workdir: the parameters of the last phase (in its
+                  phase_order) whose final checkpoint exists, and the run's vocabulary and
+                  lower_case;
+  hf:PATH         a transformers BERT directory (BertModel, BertForPreTraining, or a
+                  fine-tuned one) with its vocab.txt, and do_lower_case from
+                  tokenizer_config.json when it is there;
+  scratch:PRESET  random weights of a preset (tests, baselines).
+
+The pretrained pooler, where there is one, starts the classifier head's pooler.
+"""
+
+import dataclasses
+import json
+import os
+
+import jax
+import numpy as np
+from absl import logging
+
+from lambjax.finetune.errors import FinetuneError
+from lambjax.models import bert
+
+
+@dataclasses.dataclass
+class Start:
+    model_config: bert.BertConfig
+    params: dict | None  # embeddings, encoder and maybe heads/pooler (numpy); None: scratch
+    vocab_file: str | None
+    lower_case: bool | None  # as the checkpoint was trained, where it is known
+    description: str
+
+
+def load(init: str) -> Start:
+    kind, _, value = init.partition(":")
+    if kind == "workdir":
+        return from_workdir(value)
+    if kind == "hf":
+        return from_hf(value)
+    if kind == "scratch":
+        if value not in bert.PRESETS:
+            raise FinetuneError(
+                f"config.init={init!r}: unknown preset; valid: {list(bert.PRESETS)}"
+            )
+        return Start(bert.BertConfig.preset(value), None, None, None, f"random {value} BERT")
+    raise FinetuneError(f"config.init={init!r}; valid: workdir:PATH, hf:PATH, scratch:PRESET")
+
+
+def _finished_phases(workdir: str) -> list[tuple[int, str, int, dict, object]]:
+    """(rank in phase_order, phase, final step, meta, checkpoint path) of every phase whose
+    final checkpoint exists."""
+    import orbax.checkpoint as ocp
+    from etils import epath
+
+    root = epath.Path(workdir) / "checkpoints"
+    if not root.exists():
+        raise FinetuneError(
+            f"config.init=workdir:{workdir}: no checkpoints/ there; is it a "
+            "lambjax pretraining workdir?"
+        )
+    finished = []
+    for phase_dir in sorted(p for p in root.iterdir() if p.is_dir() and "." not in p.name):
+        manager = ocp.CheckpointManager(
+            phase_dir,
+            options=ocp.CheckpointManagerOptions(read_only=True),
+            item_names=("state", "data", "meta"),
+        )
+        for step in manager.all_steps():
+            meta = manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore())).meta
+            run_config = json.loads(meta["config"])
+            order = run_config.get("phase_order", [])
+            phase = meta["phase"]
+            if phase in order and step == run_config["phases"][phase]["num_steps"]:
+                finished.append((order.index(phase), phase, step, meta, phase_dir / str(step)))
+    return sorted(finished, key=lambda f: f[0])
+
+
+def from_workdir(workdir: str) -> Start:
+    import orbax.checkpoint as ocp
+
+    finished = _finished_phases(workdir)
+    if not finished:
+        raise FinetuneError(
+            f"config.init=workdir:{workdir}: no phase of that run has finished "
+            "(no final checkpoint); let pretraining finish a phase first"
+        )
+    _, phase, step, meta, path = finished[-1]
+    checkpointer = ocp.PyTreeCheckpointer()
+    tree = checkpointer.metadata(path / "state").item_metadata.tree
+    restore_args = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), tree)
+    state = checkpointer.restore(
+        path / "state", args=ocp.args.PyTreeRestore(restore_args=restore_args)
+    )
+    config = bert.BertConfig(**meta["model_config"])
+    run_config = json.loads(meta["config"])
+    vocab = meta.get("vocab_file")
+    return Start(
+        config,
+        state["params"],
+        vocab if vocab and os.path.exists(vocab) else None,
+        run_config.get("data", {}).get("lower_case"),
+        f"phase {phase} (step {step}) of {workdir}",
+    )
+
+
+def from_hf(path: str) -> Start:
+    from lambjax.models import hf
+
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        raise FinetuneError(
+            f"config.init=hf:{path}: no config.json there; not a transformers checkpoint directory"
+        )
+    try:
+        config, params = hf.from_transformers(path)
+    except (FileNotFoundError, ValueError, KeyError) as e:
+        raise FinetuneError(f"config.init=hf:{path}: {e}") from e
+    lower_case = None
+    tokenizer_config = os.path.join(path, "tokenizer_config.json")
+    if os.path.isfile(tokenizer_config):
+        with open(tokenizer_config, encoding="utf-8") as f:
+            lower_case = json.load(f).get("do_lower_case")
+    vocab = os.path.join(path, "vocab.txt")
+    return Start(
+        config,
+        params,
+        vocab if os.path.isfile(vocab) else None,
+        lower_case,
+        f"transformers checkpoint {path}",
+    )
+
+
+def vocabulary_is_cased(vocab_file: str) -> bool:
+    """A vocabulary is cased if any of its ordinary tokens has an upper-case letter."""
+    with open(vocab_file, encoding="utf-8") as f:
+        for line in f:
+            token = line.strip()
+            if not (token.startswith("[") and token.endswith("]")) and token != token.lower():
+                return True
+    return False
+
+
+def resolve_lower_case(requested: bool | None, start: Start, vocab_file: str) -> bool:
+    """config.lower_case, else the checkpoint's, else the vocabulary's; mismatches warned."""
+    cased_vocab = vocabulary_is_cased(vocab_file)
+    lower_case = requested
+    if lower_case is None:
+        lower_case = start.lower_case if start.lower_case is not None else not cased_vocab
+    problems = []
+    if start.lower_case is not None and lower_case != start.lower_case:
+        problems.append(f"the checkpoint was trained with lower_case={start.lower_case}")
+    if lower_case == cased_vocab:
+        problems.append(
+            f"the vocabulary {vocab_file} is {'cased' if cased_vocab else 'uncased'} (it has "
+            f"{'' if cased_vocab else 'no '}upper-case tokens)"
+        )
+    if problems:
+        logging.warning(
+            "lower_case=%s but %s: the text is tokenized unlike in pretraining (the common "
+            "cause of near-zero SQuAD F1); set --config.lower_case to match",
+            lower_case,
+            " and ".join(problems),
+        )
+    return lower_case

@@ -1,0 +1,424 @@
+"""The fine-tuning run: build the task, start or resume, train, evaluate, write the results.
+
+`finetune(config, workdir)` compiles its steps once (`compile_steps`, the one place this
+package calls `jax.jit`), restores the run's latest checkpoint if there is one (else starts
+from `config.init`), trains to the last step with log / eval / checkpoint intervals, then
+scores the whole evaluation set and writes, on process 0:
+
+  results.json            {"task": ..., "init": ..., "step": ..., "eval": {metric: value}}
+  predictions.json        SQuAD: {question_id: answer}; v2.0 also null_odds.json
+  predictions.tsv         GLUE: index<TAB>prediction (MNLI: _matched and _mismatched)
+  metrics.jsonl, events   every logged scalar (TensorBoard)
+  checkpoints/finetune/   Orbax checkpoints: the same command continues a killed run
+  transformers/           the model for BertForQuestionAnswering /
+                          BertForSequenceClassification (PostLN models)
+
+Training batches are drawn without replacement from a permutation of the training features
+per epoch (seeded; a step's batch depends only on the step, so a resumed run reads what the
+original would have); the last partial batch of an epoch is left out. Evaluation pads the
+set to whole batches with empty rows and scores every real row.
+"""
+
+import dataclasses
+import functools
+import json
+import os
+import time
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from absl import logging
+
+from lambjax import distributed, sharding
+from lambjax.data import tokenization
+from lambjax.finetune import config as config_lib
+from lambjax.finetune import init as init_lib
+from lambjax.finetune import step as step_lib
+from lambjax.finetune import tasks
+from lambjax.finetune.errors import FinetuneError
+from lambjax.models import bert, heads
+from lambjax.train import checkpointing
+from lambjax.train import optimizer as optimizer_lib
+from lambjax.train import state as state_lib
+from lambjax.train.state import TrainState
+
+CHECKPOINT_NAME = "finetune"
+
+
+class Steps(NamedTuple):
+    init_optimizer: object  # params -> optimizer state
+    train: object  # (state, batch, rng) -> (state, metrics); the state is donated
+    eval: object  # (params, batch) -> head outputs, replicated
+
+
+@dataclasses.dataclass
+class Run:
+    """Everything built for one fine-tuning run."""
+
+    task: tasks.Task
+    model_config: bert.BertConfig
+    params: dict | None  # host parameters to start from (unused when resuming)
+    vocab_file: str
+    lower_case: bool
+    start: str  # where the encoder came from, for the log and results
+    mesh: jax.sharding.Mesh
+    optimizer: optax.GradientTransformation
+    schedule: optax.Schedule
+    num_steps: int
+
+    @functools.cached_property
+    def state_shardings(self) -> TrainState:
+        abstract = jax.eval_shape(
+            lambda p: TrainState.create(p, self.optimizer), self.abstract_params()
+        )
+        return state_lib.shardings(
+            abstract,
+            param_axes=heads.param_logical_axes(
+                self.model_config, self.task.kind, self.task.num_labels
+            ),
+            mesh=self.mesh,
+            optimizer=self.optimizer,
+            num_frozen_layers=0,
+        )
+
+    def abstract_params(self):
+        return jax.eval_shape(
+            functools.partial(
+                heads.init_params, self.model_config, self.task.kind, self.task.num_labels
+            ),
+            jax.random.key(0),
+        )
+
+    def abstract_state(self) -> TrainState:
+        abstract = jax.eval_shape(
+            lambda p: TrainState.create(p, self.optimizer), self.abstract_params()
+        )
+        return state_lib.with_shardings(abstract, self.state_shardings)
+
+
+def compile_steps(run: Run) -> Steps:
+    state = run.state_shardings
+    batch = sharding.batch_sharding(run.mesh)
+    replicated = sharding.replicated(run.mesh)
+    bound = dict(model_config=run.model_config, kind=run.task.kind, num_labels=run.task.num_labels)
+    return Steps(
+        init_optimizer=jax.jit(run.optimizer.init, out_shardings=state.opt_state),
+        train=jax.jit(
+            functools.partial(
+                step_lib.train_step, optimizer=run.optimizer, schedule=run.schedule, **bound
+            ),
+            in_shardings=(state, batch, replicated),
+            out_shardings=(state, replicated),
+            donate_argnums=(0,),
+        ),
+        eval=jax.jit(
+            functools.partial(step_lib.eval_step, **bound),
+            in_shardings=(state.params, batch),
+            out_shardings=replicated,
+        ),
+    )
+
+
+# ----------------------------------------------------------------------------------------
+# Building the run
+
+
+def _vocabulary(config, start: init_lib.Start, workdir: str) -> str:
+    if config.vocab:
+        if not os.path.isfile(config.vocab):
+            raise FinetuneError(f"config.vocab={config.vocab!r}: no such file")
+        return config.vocab
+    if start.vocab_file:
+        return start.vocab_file
+    if start.params is not None:
+        raise FinetuneError(
+            f"{start.description} has no vocabulary (vocab.txt) any more; give its "
+            "vocab.txt as --config.vocab"
+        )
+    path = os.path.join(workdir, "vocab.txt")  # scratch: trained on the training texts
+    if jax.process_index() == 0 and not os.path.exists(path):
+        lower_case = True if config.lower_case is None else config.lower_case
+        tokenization.train_vocab(tasks.training_texts(config), config.vocab_size, lower_case, path)
+    distributed.barrier("finetune-vocab")
+    return path
+
+
+def _model_config(config, start: init_lib.Start, vocab_size: int) -> bert.BertConfig:
+    overrides = {k: v for k, v in config.model.to_dict().items() if v is not None}
+    model_config = start.model_config
+    if start.params is None:
+        overrides.setdefault("vocab_size", vocab_size)
+    elif vocab_size > model_config.vocab_size:
+        raise FinetuneError(
+            f"the vocabulary has {vocab_size} tokens but {start.description} embeds only "
+            f"{model_config.vocab_size}: not this model's vocabulary"
+        )
+    try:
+        model_config = dataclasses.replace(model_config, **overrides)
+    except (ValueError, TypeError) as e:
+        raise FinetuneError(f"config.model: {e}") from e
+    if config.max_seq_length > model_config.max_position_embeddings:
+        raise FinetuneError(
+            f"config.max_seq_length={config.max_seq_length} exceeds the model's "
+            f"max_position_embeddings={model_config.max_position_embeddings}"
+        )
+    return model_config
+
+
+def _start_params(config, start, model_config, task) -> dict:
+    """Host parameters: the start's encoder (and pooler) with a new head, or all random."""
+    rng = jax.random.key(config.seed)
+    # Jitted: initialising op by op takes seconds even for a tiny model.
+    if start.params is None:
+        init = functools.partial(heads.init_params, model_config, task.kind, task.num_labels)
+        return jax.device_get(jax.jit(init)(rng))
+    init = functools.partial(heads.init_head, model_config, task.kind, task.num_labels)
+    head = jax.device_get(jax.jit(init)(rng))
+    pretrained_pooler = start.params.get("heads", {}).get("pooler")
+    if "pooler" in head and pretrained_pooler is not None:
+        head["pooler"] = pretrained_pooler
+    return heads.with_head(start.params, head)
+
+
+def build_run(config, workdir: str) -> Run:
+    mesh = sharding.make_mesh(dict(config.mesh))
+    config_lib.validate(config, mesh.shape["data"] * mesh.shape["fsdp"], jax.process_count())
+    start = init_lib.load(config.init)
+    vocab_file = _vocabulary(config, start, workdir)
+    lower_case = init_lib.resolve_lower_case(config.lower_case, start, vocab_file)
+    tokenizer = tokenization.load(vocab_file, lower_case)
+    task = tasks.build(config, tokenizer, tokenization.special_ids(tokenizer))
+    model_config = _model_config(config, start, tokenizer.get_vocab_size())
+    num_train = len(task.train["input_ids"])
+    if num_train < config.global_batch_size:
+        raise FinetuneError(
+            f"{config.data.train}: {num_train} training features, fewer than one batch "
+            f"(config.global_batch_size={config.global_batch_size})"
+        )
+    num_steps = config.num_steps or max(
+        1, int(num_train / config.global_batch_size * config.num_epochs)
+    )
+    warmup = int(num_steps * config.warmup_fraction)
+    schedule = optax.join_schedules(
+        [
+            optax.linear_schedule(0.0, config.learning_rate, max(warmup, 1)),
+            optax.linear_schedule(config.learning_rate, 0.0, max(num_steps - warmup, 1)),
+        ],
+        [warmup],
+    )
+    return Run(
+        task=task,
+        model_config=model_config,
+        params=_start_params(config, start, model_config, task),
+        vocab_file=vocab_file,
+        lower_case=lower_case,
+        start=start.description,
+        mesh=mesh,
+        optimizer=optimizer_lib.make_optimizer(config.optimizer, schedule),
+        schedule=schedule,
+        num_steps=num_steps,
+    )
+
+
+# ----------------------------------------------------------------------------------------
+# Running it
+
+
+def _to_global(run: Run, global_rows: dict) -> dict:
+    """This process's slice of a global batch's rows, as global arrays over data x fsdp."""
+    size = len(next(iter(global_rows.values())))
+    per_process = size // jax.process_count()
+    lo = jax.process_index() * per_process
+    batch_sharding = sharding.batch_sharding(run.mesh)
+    return {
+        k: jax.make_array_from_process_local_data(batch_sharding, v[lo : lo + per_process])
+        for k, v in global_rows.items()
+    }
+
+
+def train_batch(arrays: dict, step: int, batch_size: int, seed: int) -> dict:
+    """The global batch of `step` (0-based): epoch-wise permutations, partial batches left out."""
+    num = len(arrays["input_ids"])
+    per_epoch = num // batch_size
+    epoch, index = divmod(step, per_epoch)
+    order = np.random.default_rng([seed, epoch]).permutation(num)
+    rows = order[index * batch_size : (index + 1) * batch_size]
+    return {k: v[rows] for k, v in arrays.items()}
+
+
+def evaluate(run: Run, steps: Steps, params, batch_size: int) -> tuple[dict, dict]:
+    """Every eval set fully scored: (metrics, {file name: text})."""
+    metrics, files = {}, {}
+    for eval_set in run.task.eval_sets:
+        num = len(eval_set.arrays["input_ids"])
+        padded = -(-num // batch_size) * batch_size
+        arrays = {
+            k: np.concatenate([v, np.zeros((padded - num, *v.shape[1:]), v.dtype)])
+            for k, v in eval_set.arrays.items()
+        }
+        outputs = []
+        for lo in range(0, padded, batch_size):
+            batch = _to_global(run, {k: v[lo : lo + batch_size] for k, v in arrays.items()})
+            outputs.append(jax.device_get(steps.eval(params, batch)))
+        outputs = jax.tree.map(lambda *xs, n=num: np.concatenate(xs)[:n], *outputs)
+        set_metrics, set_files = eval_set.score(outputs)
+        prefix = f"{eval_set.name}_" if eval_set.name else ""
+        metrics.update({prefix + k: v for k, v in set_metrics.items()})
+        files.update(set_files)
+    return metrics, files
+
+
+def _write(workdir: str, name: str, text: str) -> None:
+    if jax.process_index() == 0:
+        path = os.path.join(workdir, name)
+        with open(path + ".tmp", "w", encoding="utf-8") as f:
+            f.write(text)
+        os.replace(path + ".tmp", path)  # a reader never sees half a file
+
+
+def finetune(config, workdir: str) -> dict:
+    """Fine-tunes and evaluates; returns the final eval metrics (also in results.json)."""
+    workdir = os.path.abspath(workdir)
+    os.makedirs(workdir, exist_ok=True)
+    run = build_run(config, workdir)
+    logging.info(
+        "Fine-tuning %s from %s: %d training features, %d steps of %d; lower_case=%s",
+        run.task.name,
+        run.start,
+        len(run.task.train["input_ids"]),
+        run.num_steps,
+        config.global_batch_size,
+        run.lower_case,
+    )
+    steps = compile_steps(run)
+    ckpt = checkpointing.PhaseCheckpoints(
+        workdir, CHECKPOINT_NAME, max_to_keep=config.max_checkpoints_to_keep, async_save=False
+    )
+    restored = ckpt.restore_latest(run.abstract_state())
+    if restored is not None:
+        logging.info("Resuming from the checkpoint at step %d", restored.step)
+        state, step = restored.state, restored.step
+    else:
+        params = jax.device_put(run.params, run.state_shardings.params)
+        state, step = (
+            TrainState.create(params, run.optimizer, opt_state=steps.init_optimizer(params)),
+            0,
+        )
+        state = jax.device_put(state, run.state_shardings)
+    run.params = None  # the host copy is no longer needed
+    meta = {
+        "task": run.task.name,
+        "init": config.init,
+        "config": config.to_json_best_effort(),
+        "model_config": dataclasses.asdict(run.model_config),
+        "vocab_file": run.vocab_file,
+        "lower_case": run.lower_case,
+    }
+    # Imported here: its TensorBoard writer loads TensorFlow (seconds), which a run that
+    # stops at bad input never needs.
+    from lambjax.train import metrics as metrics_lib
+
+    writer = metrics_lib.create_writer(workdir)
+    stop = distributed.StopRequest()
+    try:
+        state, step, stopped = _train(config, run, steps, state, step, writer, ckpt, meta, stop)
+        if stopped:
+            logging.info("Stopped at step %d; rerun the same command to continue.", step)
+            return {}
+        eval_metrics, files = evaluate(run, steps, state.params, config.eval_batch_size)
+        writer.write_scalars(step, {f"eval/{k}": v for k, v in _scalars(eval_metrics).items()})
+    finally:
+        writer.close()
+        ckpt.close()
+    for name, text in files.items():
+        _write(workdir, name, text)
+    results = {"task": run.task.name, "init": run.start, "step": step, "eval": eval_metrics}
+    _write(workdir, "results.json", json.dumps(results, indent=2) + "\n")
+    if config.export_transformers:
+        _export(run, state.params, workdir)
+    logging.info("%s", _summary(run.task.name, eval_metrics, workdir))
+    return eval_metrics
+
+
+def _scalars(metrics: dict) -> dict:
+    return {k: float(v) for k, v in metrics.items() if isinstance(v, int | float)}
+
+
+def _train(config, run, steps, state, step, writer, ckpt, meta, stop):
+    """Trains from `step` to the run's last step; (state, step, whether stopped)."""
+    rng = jax.random.key(config.seed)
+    # Throughput over each log interval (the first one includes compilation).
+    pending, interval_start, interval_step = [], time.perf_counter(), step
+    while step < run.num_steps:
+        if stop.requested(step):
+            ckpt.save(step, state, {"step": step}, meta)
+            return state, step, True
+        rows = train_batch(run.task.train, step, config.global_batch_size, config.seed)
+        state, metrics = steps.train(state, _to_global(run, rows), rng)
+        step += 1
+        pending.append(metrics)
+        last = step == run.num_steps
+        if step % config.log_every_steps == 0 or last:
+            means = jax.device_get(jax.tree.map(lambda *xs: jnp.mean(jnp.stack(xs)), *pending))
+            pending = []
+            train = {k: float(v) for k, v in means.items()}
+            seconds_per_step = (time.perf_counter() - interval_start) / (step - interval_step)
+            interval_start, interval_step = time.perf_counter(), step
+            train["examples_per_s"] = config.global_batch_size / seconds_per_step
+            writer.write_scalars(step, {f"train/{k}": v for k, v in train.items()})
+            eta = seconds_per_step * (run.num_steps - step)
+            if jax.process_index() == 0:
+                logging.info(
+                    "%s step %d/%d | loss %.4f | lr %.2e | %.1f ex/s | ETA %s",
+                    run.task.name,
+                    step,
+                    run.num_steps,
+                    train["loss"],
+                    train["learning_rate"],
+                    train["examples_per_s"],
+                    _duration(eta),
+                )
+        if config.eval_every_steps and step % config.eval_every_steps == 0 and not last:
+            eval_metrics, _ = evaluate(run, steps, state.params, config.eval_batch_size)
+            writer.write_scalars(step, {f"eval/{k}": v for k, v in _scalars(eval_metrics).items()})
+        if step % config.checkpoint_every_steps == 0 or last:
+            ckpt.save(step, state, {"step": step}, meta)
+    return state, step, False
+
+
+def _duration(seconds: float) -> str:
+    from lambjax.train import metrics as metrics_lib
+
+    return metrics_lib.format_duration(seconds)
+
+
+def _export(run: Run, params, workdir: str) -> None:
+    from lambjax.models import hf
+
+    if run.model_config.layer_norm != "post":
+        logging.info("Not exported to transformers: a PreLN model has no transformers form.")
+        return
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        params = multihost_utils.process_allgather(params, tiled=True)
+    params = jax.device_get(params)
+    if jax.process_index() == 0:
+        hf.to_transformers_task(
+            run.model_config,
+            params,
+            os.path.join(workdir, "transformers"),
+            labels=run.task.labels,
+            vocab_file=run.vocab_file,
+            lower_case=run.lower_case,
+        )
+
+
+def _summary(task: str, metrics: dict, workdir: str) -> str:
+    shown = ", ".join(
+        f"{k} {v:.2f}" if isinstance(v, float) else f"{k} {v}" for k, v in metrics.items()
+    )
+    return f"{task}: {shown}\n  results: {os.path.join(workdir, 'results.json')}"
