@@ -38,3 +38,29 @@ def calls(env: dict, tool: str | None = None) -> list[list[str]]:
 
 def state_file(env: dict, name: str) -> str:
     return os.path.join(env["FAKE_STATE"], name)
+
+
+def preempt(env: dict, name: str) -> None:
+    """Preempts the fake Cloud TPU's spot node `name` (fakes/gcloud.py, `preempt`)."""
+    import subprocess
+
+    subprocess.run(
+        [sys.executable, os.path.join(FAKES, "gcloud.py"), "--fake-preempt", name],
+        env=env,
+        check=True,
+    )
+
+
+def tpu_state(env: dict) -> dict:
+    path = state_file(env, "tpu.json")
+    if not os.path.exists(path):
+        return {"nodes": {}, "queued": {}}
+    with open(path) as f:
+        return json.load(f)
+
+
+def worker_home(env: dict, name: str, worker: int) -> str:
+    node = tpu_state(env)["nodes"][name]
+    return state_file(
+        env, os.path.join("tpus", f"{name}.{node['incarnation']}", f"worker-{worker}")
+    )

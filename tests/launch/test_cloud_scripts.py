@@ -1,129 +1,286 @@
-"""The TPU VM and SLURM scripts against fake `gcloud`, `git` and `srun` that record calls."""
+"""launch/tpu/tpu_vm.sh against a fake Cloud TPU zone (tests/launch/fakes/gcloud.py: nodes,
+queued resources, spot preemption, workers as directories with the images' Python 3.10),
+launch/slurm/train.sbatch's settings, and launch/local.py's Ctrl-C."""
 
 import json
 import os
+import re
 import subprocess
+import sys
+import threading
+import time
 
+import psutil
 import pytest
 
+from tests.launch import cluster_fakes
+
 REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
-FAKE = """#!/usr/bin/env python3
-import json, os, sys
-with open(os.environ["CALLS"], "a") as f:
-    f.write(json.dumps([os.path.basename(sys.argv[0])] + sys.argv[1:]) + "\\n")
-"""
-
-
-@pytest.fixture
-def fake_path(tmp_path):
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    for tool in ("gcloud", "srun", "git"):
-        (bin_dir / tool).write_text(FAKE)
-        (bin_dir / tool).chmod(0o755)
-    return bin_dir
-
-
-def run(script, args, fake_path, tmp_path, **env):
-    calls = tmp_path / "calls.jsonl"
-    environment = dict(os.environ, PATH=f"{fake_path}:{os.environ['PATH']}", CALLS=str(calls))
-    environment.update(env)
-    result = subprocess.run(
-        ["bash", script, *args], cwd=REPO, env=environment, capture_output=True, text=True
-    )
-    recorded = (
-        [json.loads(line) for line in calls.read_text().splitlines()] if calls.exists() else []
-    )
-    return result, recorded
-
-
+TPU_VM = os.path.join(REPO, "launch", "tpu", "tpu_vm.sh")
 SETTINGS = dict(PROJECT="proj", ZONE="us-central2-b", TPU_NAME="bert", ACCELERATOR_TYPE="v4-32")
 WHERE = ["--project=proj", "--zone=us-central2-b"]
 
 
-def test_create_tpu_vm_and_queued_spot_resource(fake_path, tmp_path):
-    _, calls = run("launch/tpu/tpu_vm.sh", ["create"], fake_path, tmp_path, **SETTINGS)
-    assert calls == [
-        [
-            "gcloud",
-            "compute",
-            "tpus",
-            "tpu-vm",
-            "create",
-            "bert",
-            *WHERE,
-            "--accelerator-type=v4-32",
-            "--version=tpu-ubuntu2204-base",
-        ]
+@pytest.fixture
+def cloud(tmp_path):
+    """The environment of a user with the fake gcloud, and quick polls."""
+    env = cluster_fakes.environment(tmp_path)
+    env.update(SETTINGS, POLL_SECONDS="0.2", BUCKET=str(tmp_path / "bucket dir"), RUN="r1")
+    env["LOGS_DIR"] = str(tmp_path / "logs")
+    return env
+
+
+def tpu_vm(env, *args, cwd=REPO, check=True, **extra):
+    result = subprocess.run(
+        ["bash", TPU_VM, *args],
+        cwd=cwd,
+        env={**env, **extra},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    if check:
+        assert result.returncode == 0, result.stdout + result.stderr
+    return result
+
+
+def gcloud_calls(env, *words):
+    return [c for c in cluster_fakes.calls(env, "gcloud") if c[1 : 1 + len(words)] == list(words)]
+
+
+def trainers(env) -> list[psutil.Process]:
+    """The fake workers' trainer processes that are still alive."""
+    found = []
+    for process in psutil.process_iter():
+        try:
+            if "venv-python" in process.cmdline() and process.status() != psutil.STATUS_ZOMBIE:
+                if process.environ().get("FAKE_STATE") == env["FAKE_STATE"]:
+                    found.append(process)
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            pass
+    return found
+
+
+def wait_for(condition, timeout=60, what=""):
+    deadline = time.time() + timeout
+    while not condition():
+        assert time.time() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.1)
+
+
+def checkpoint(env) -> int:
+    path = os.path.join(env["BUCKET"], env["RUN"], "checkpoint")
+    return int(open(path).read()) if os.path.exists(path) else 0
+
+
+@pytest.fixture
+def installed(cloud):
+    """A created v4-32 with this checkout installed on its 2 workers."""
+    tpu_vm(cloud, "create")
+    tpu_vm(cloud, "install")
+    yield cloud
+    for process in trainers(cloud):
+        process.kill()
+
+
+# ----------------------------------------------------------------------------------------
+# Creating: the runtime version, queued resources
+
+
+@pytest.mark.parametrize(
+    "accelerator, runtime",
+    [
+        ("v4-32", "tpu-ubuntu2204-base"),
+        ("v5litepod-16", "v2-alpha-tpuv5-lite"),
+        ("v5p-32", "v2-alpha-tpuv5"),
+        ("v6e-16", "v2-alpha-tpuv6e"),
+    ],
+)
+def test_the_runtime_version_follows_the_accelerator_type(cloud, accelerator, runtime):
+    tpu_vm(cloud, "create", f"--accelerator-type={accelerator}")
+    node = cluster_fakes.tpu_state(cloud)["nodes"]["bert"]
+    assert (node["accelerator"], node["runtime"]) == (accelerator, runtime)
+
+
+def test_a_runtime_version_can_be_given_and_an_unknown_type_needs_one(cloud):
+    result = tpu_vm(cloud, "create", "--accelerator-type=v9-8", check=False)
+    assert result.returncode == 2 and cluster_fakes.calls(cloud) == []
+    assert result.stderr.strip() == (
+        "tpu_vm.sh: no default runtime version for ACCELERATOR_TYPE=v9-8: set RUNTIME_VERSION"
+    )
+    tpu_vm(cloud, "create", "--runtime-version=v2-alpha-tpuv5", ACCELERATOR_TYPE="v5p-8")
+    assert gcloud_calls(cloud, "compute", "tpus", "tpu-vm", "create")[0][-1] == (
+        "--version=v2-alpha-tpuv5"
+    )
+
+
+def test_create_waits_until_the_queued_resource_is_active(cloud):
+    result = tpu_vm(cloud, "create", QUEUED="1", SPOT="1")
+    states = re.findall(r"bert: (\w+)", result.stdout)
+    assert states[0] == "WAITING_FOR_RESOURCES" and states[-1] == "ACTIVE", states
+    assert "PROVISIONING" in states
+    state = cluster_fakes.tpu_state(cloud)
+    assert state["queued"]["bert"]["state"] == "ACTIVE"
+    assert state["nodes"]["bert"]["state"] == "READY" and state["nodes"]["bert"]["spot"]
+    assert gcloud_calls(cloud, "compute", "tpus", "queued-resources", "create")[0][6:] == [
+        *WHERE,
+        "--node-id=bert",
+        "--accelerator-type=v4-32",
+        "--runtime-version=tpu-ubuntu2204-base",
+        "--spot",
     ]
-    (tmp_path / "q").mkdir()
-    _, calls = run(
-        "launch/tpu/tpu_vm.sh",
-        ["create"],
-        fake_path,
-        tmp_path / "q",
-        **SETTINGS,
-        QUEUED="1",
-        SPOT="1",
+
+
+def test_a_queued_resource_that_stays_waiting_times_out(cloud):
+    result = tpu_vm(
+        cloud, "create", check=False, QUEUED="1", QUEUE_TIMEOUT="1", FAKE_QUEUE_TICKS="never"
     )
-    assert calls == [
-        [
-            "gcloud",
-            "compute",
-            "tpus",
-            "queued-resources",
-            "create",
-            "bert",
-            *WHERE,
-            "--node-id=bert",
-            "--accelerator-type=v4-32",
-            "--runtime-version=tpu-ubuntu2204-base",
-            "--spot",
-        ]
-    ]
-
-
-def test_install_train_stop_delete_run_on_every_worker(fake_path, tmp_path):
-    env = dict(SETTINGS, BUCKET="gs://b", RUN="r1", CONFIG="configs/bert_lans.py:large")
-    for command in ("install", "train", "logs", "stop", "delete"):
-        result, _ = run("launch/tpu/tpu_vm.sh", [command], fake_path, tmp_path, **env)
-        assert result.returncode == 0, result.stderr
-    calls = [json.loads(line) for line in (tmp_path / "calls.jsonl").read_text().splitlines()]
-    assert calls[0][:3] == ["git", "archive", "--format=tar.gz"]
-    assert calls[1][:4] == ["gcloud", "compute", "tpus", "tpu-vm"] and calls[1][4] == "scp"
-    assert "--worker=all" in calls[1]
-    install, train, logs, stop, delete = calls[2:]
-    assert install[:6] == ["gcloud", "compute", "tpus", "tpu-vm", "ssh", "bert"]
-    assert "--worker=all" in install and "pip install -q -e '.[train]'" in install[-1]
-    assert "--worker=all" in train
-    assert train[-1] == (
-        "--command=cd ~/lambjax && nohup python3 -m lambjax.main "
-        "--config=configs/bert_lans.py:large --workdir=gs://b/r1 > ~/lambjax-train.log 2>&1 &"
+    assert result.returncode == 1
+    assert result.stderr.strip() == (
+        "tpu_vm.sh: bert still WAITING_FOR_RESOURCES after QUEUE_TIMEOUT=1s; it stays queued "
+        "(tpu_vm.sh wait, or delete)"
     )
-    assert "--worker=0" in logs
-    assert stop[-1] == "--command=pkill -TERM -f lambjax.main || true" and "--worker=all" in stop
-    assert delete == ["gcloud", "compute", "tpus", "tpu-vm", "delete", "bert", *WHERE, "--quiet"]
+    assert "bert" not in cluster_fakes.tpu_state(cloud)["nodes"]
 
 
-def test_dry_run_prints_and_runs_nothing(fake_path, tmp_path):
-    result, calls = run(
-        "launch/tpu/tpu_vm.sh",
-        ["delete", "--queued=1"],
-        fake_path,
-        tmp_path,
-        **SETTINGS,
-        DRY_RUN="1",
+# ----------------------------------------------------------------------------------------
+# Installing, training, stopping
+
+
+def test_install_from_any_directory_into_a_python_311_venv(cloud, tmp_path):
+    """The workers' own python3 is 3.10; the venv's Python is uv's 3.11; the whole
+    checkout ships, whichever directory the script runs from."""
+    tpu_vm(cloud, "create")
+    outside = tmp_path / "elsewhere"
+    outside.mkdir()
+    result = tpu_vm(cloud, "install", cwd=str(outside))
+    assert result.stdout.count("lambjax-worker: installed: Python 3.11.9") == 2
+    for worker in range(2):
+        home = cluster_fakes.worker_home(cloud, "bert", worker)
+        for path in ("setup.py", "lambjax/main.py", "launch/tpu/worker.sh", ".venv/bin/python"):
+            assert os.path.exists(os.path.join(home, "lambjax", path)), path
+        with open(os.path.join(home, "uv-calls.jsonl")) as f:
+            venv, pip = [json.loads(line) for line in f]
+        assert venv == ["venv", "--allow-existing", "--python", "3.11", ".venv"]
+        assert pip == [
+            "pip", "install", "--python", ".venv/bin/python", "-e", ".[train]",
+            "jax[tpu]>=0.10,<0.11",
+        ]  # fmt: skip
+
+
+def test_train_passes_flags_through_quoted_and_clears_leftovers(installed):
+    env = installed
+    homes = [cluster_fakes.worker_home(env, "bert", w) for w in range(2)]
+    # A previous run's process and the libtpu lockfile it left behind.
+    leftover = subprocess.Popen(["sleep", "600"])
+    reaper = threading.Thread(target=leftover.wait, daemon=True)  # no zombie once killed
+    reaper.start()
+    for home in homes:
+        with open(os.path.join(home, "lambjax", "train.pid"), "w") as f:
+            f.write(str(leftover.pid))
+        open(os.path.join(home, "tmp", "libtpu_lockfile"), "w").close()
+    odd = "--config.data.note=a b;$(touch pwned)'\""
+    config = "configs/bert_lamb.py:large,runlocal"
+    tpu_vm(env, "train", f"--config={config}", "--", "--config.phases.phase1.num_steps=3", odd)
+    reaper.join(timeout=60)
+    assert leftover.returncode is not None
+    workdir = os.path.join(env["BUCKET"], "r1")
+    wait_for(lambda: checkpoint(env) == 3 and not trainers(env), what="the run's end")
+    for worker, home in enumerate(homes):
+        with open(os.path.join(workdir, f"argv-worker{worker}.jsonl")) as f:
+            assert [json.loads(line) for line in f] == [
+                [f"--config={config}", f"--workdir={workdir}",
+                 "--config.phases.phase1.num_steps=3", odd]
+            ]  # fmt: skip
+        assert not os.path.exists(os.path.join(home, "tmp", "libtpu_lockfile"))
+        assert not os.path.exists(os.path.join(home, "pwned"))
+    assert tpu_vm(env, "status").stdout.split("\n")[:2] == ["lambjax-worker: exit 0"] * 2
+
+
+def test_a_setting_flag_that_is_not_a_setting_ends_before_anything_runs(cloud):
+    result = tpu_vm(cloud, "train", "--path=/nowhere", check=False)
+    assert result.returncode == 2 and cluster_fakes.calls(cloud) == []
+    assert len(result.stderr.strip().splitlines()) == 1
+    assert "unknown setting --path=/nowhere" in result.stderr
+    assert "lambjax.main flags after --" in result.stderr
+
+
+def test_stop_returns_once_every_worker_has_saved_and_exited(installed):
+    env = installed
+    tpu_vm(env, "train", "--", "--config.phases.phase1.num_steps=100000")
+    wait_for(lambda: checkpoint(env) >= 2, what="training steps")
+    started = time.time()
+    result = tpu_vm(env, "stop", FAKE_SAVE_SECONDS="1")
+    assert time.time() - started >= 1  # the save's duration
+    assert result.stdout.count("lambjax-worker: stopped") == 2, result.stdout
+    assert trainers(env) == []
+    for worker in range(2):
+        home = cluster_fakes.worker_home(env, "bert", worker)
+        with open(os.path.join(home, "lambjax", "train.log")) as f:
+            assert "Stopped in phase phase1" in f.read()
+
+
+# ----------------------------------------------------------------------------------------
+# Supervising a spot run: preempted, created again, resumed, finished
+
+
+@pytest.mark.parametrize("queued", ["0", "1"])
+def test_run_recreates_a_preempted_spot_tpu_and_resumes_to_the_end(cloud, queued):
+    env = {**cloud, "SPOT": "1", "QUEUED": queued, "FAKE_QUEUE_TICKS": "1"}
+    steps = 40
+    run = subprocess.Popen(
+        ["bash", TPU_VM, "run", "--", f"--config.phases.phase1.num_steps={steps}"],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
     )
-    assert calls == []
+    try:
+        wait_for(lambda: checkpoint(env) >= 5, what="training steps")
+        cluster_fakes.preempt(env, "bert")
+        preempted_at = checkpoint(env)
+        out, _ = run.communicate(timeout=120)
+    finally:
+        run.kill()
+    assert run.returncode == 0, out
+    assert checkpoint(env) == steps
+    create = "queued-resources" if queued == "1" else "tpu-vm"
+    assert len(gcloud_calls(env, "compute", "tpus", create, "create")) == 2
+    assert "bert is " + ("SUSPENDED" if queued == "1" else "PREEMPTED") in out
+    assert "the run finished" in out
+    logs = [os.path.join(env["LOGS_DIR"], f"worker-{w}.log") for w in range(2)]
+    for log in logs:
+        with open(log) as f:
+            text = f.read()
+        assert re.search(r"resuming from its checkpoint at step (\d+)", text)
+        assert f"phase1 step {steps}/{steps}" in text
+    resumed = int(re.search(r"at step (\d+)", open(logs[0]).read()).group(1))
+    assert 1 <= resumed <= preempted_at
+
+
+# ----------------------------------------------------------------------------------------
+# DRY_RUN, missing settings
+
+
+def test_dry_run_prints_and_runs_nothing(cloud):
+    result = tpu_vm(cloud, "delete", "--queued=1", DRY_RUN="1")
+    assert cluster_fakes.calls(cloud) == []
     assert result.stdout.strip() == (
         "gcloud compute tpus queued-resources delete bert --project=proj "
         "--zone=us-central2-b --force --quiet"
     )
 
 
-def test_missing_setting_is_named(fake_path, tmp_path):
-    result, calls = run("launch/tpu/tpu_vm.sh", ["create"], fake_path, tmp_path, PROJECT="p")
-    assert result.returncode != 0 and "ZONE" in result.stderr and calls == []
+def test_missing_setting_is_named(cloud):
+    env = {k: v for k, v in cloud.items() if k != "ZONE"}
+    result = tpu_vm(env, "create", check=False)
+    assert result.returncode != 0 and "ZONE" in result.stderr
+    assert cluster_fakes.calls(cloud) == []
+
+
+# ----------------------------------------------------------------------------------------
+# SLURM
 
 
 def sbatch_directives(script: str) -> dict[str, str]:
@@ -143,8 +300,6 @@ def test_slurm_tasks_see_every_gpu_of_their_node_and_requeue_at_the_time_limit()
 
 
 def test_slurm_script_runs_the_project_venv_and_names_a_missing_one(tmp_path):
-    from tests.launch import cluster_fakes
-
     env = cluster_fakes.environment(tmp_path)
     env.update(CONFIG="configs/bert_lamb.py:large", WORKDIR="/shared/run")
     script = os.path.join(REPO, "launch/slurm/train.sbatch")
@@ -160,8 +315,6 @@ def test_ctrl_c_on_the_local_launcher_stops_every_process_with_sigterm(tmp_path)
     """Ctrl-C sends SIGINT to the launcher (its processes run in their own sessions); they
     must get SIGTERM, on which the trainer saves and exits 0, and the launcher exits 0."""
     import signal
-    import sys
-    import time
 
     launcher = subprocess.Popen(
         [

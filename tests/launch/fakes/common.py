@@ -33,3 +33,16 @@ def save(name: str, value) -> None:
 def fail(tool: str, message: str, code: int = 1):
     print(f"{tool}: error: {message}", file=sys.stderr)
     sys.exit(code)
+
+
+class locked:
+    """Holds the fake cluster's lock: one tool at a time reads and changes its state."""
+
+    def __enter__(self):
+        import fcntl
+
+        self._file = open(os.path.join(state_dir(), "lock"), "w")
+        fcntl.flock(self._file, fcntl.LOCK_EX)
+
+    def __exit__(self, *exc):
+        self._file.close()
