@@ -157,8 +157,9 @@ def pretraining_workdir(root, vocab_file: str) -> str:
     with open(vocab_file, encoding="utf-8") as f:
         vocab_size = len(f.read().splitlines())
     model = bert.BertConfig.preset("tiny", vocab_size=vocab_size, dtype="float32")
+    init = jax.jit(bert.init_params, static_argnums=0)
     for phase, step, seed in (("phase1", 4, 0), ("phase2", 1, 1)):
-        state = TrainState.create(bert.init_params(model, jax.random.key(seed)), optax.sgd(0.1))
+        state = TrainState.create(init(model, jax.random.key(seed)), optax.sgd(0.1))
         meta = {
             "config": config.to_json_best_effort(),
             "model_config": dataclasses.asdict(model),
