@@ -229,9 +229,16 @@ run_state() {
 supervise() {
   : "${BUCKET:?set BUCKET (gs://...), the workdir every worker shares}"
   [ "${DRY_RUN:-0}" != 1 ] || EXIT=2 die "run follows the TPU's state: it has no DRY_RUN"
-  local recreated=0 s now
+  local recreated=0 started=0 s now
+  recreate_once() {
+    [ "$recreated" -lt "$MAX_RECREATES" ] ||
+      die "$TPU_NAME is $1 again after $recreated re-creations (MAX_RECREATES=$MAX_RECREATES)"
+    recreated=$((recreated + 1))
+    log "$TPU_NAME is $1 (preempted?): creating it again ($recreated), then resuming the run"
+  }
   s="$(state)"
   if [ "$s" = READY ] || [ "$s" = ACTIVE ]; then
+    started=1
     now="$(run_state)"
     if [ "$now" = running ]; then
       log "the run is already running: supervising it"
@@ -248,17 +255,23 @@ supervise() {
           log "$TPU_NAME: $s"
           queued && wait_active || { sleep "$POLL_SECONDS"; continue; }
           ;;
+        MISSING)
+          if [ "$started" = 1 ]; then
+            recreate_once "$s"
+          else
+            log "creating $TPU_NAME"
+          fi
+          create
+          ;;
         *)
-          [ "$recreated" -lt "$MAX_RECREATES" ] ||
-            die "$TPU_NAME is $s again after $recreated re-creations (MAX_RECREATES)"
-          recreated=$((recreated + 1))
-          log "$TPU_NAME is $s: creating it (again: $recreated), then training (resuming)"
-          [ "$s" = MISSING ] || delete
+          recreate_once "$s"
+          delete
           create
           ;;
       esac
       install
       train
+      started=1
     fi
     sleep "$POLL_SECONDS"
     healthy || continue

@@ -247,7 +247,7 @@ def test_run_recreates_a_preempted_spot_tpu_and_resumes_to_the_end(cloud, queued
     assert checkpoint(env) == steps
     create = "queued-resources" if queued == "1" else "tpu-vm"
     assert len(gcloud_calls(env, "compute", "tpus", create, "create")) == 2
-    assert "bert is " + ("SUSPENDED" if queued == "1" else "PREEMPTED") in out
+    assert "bert is " + ("SUSPENDED" if queued == "1" else "PREEMPTED") + " (preempted?)" in out
     assert "the run finished" in out
     logs = [os.path.join(env["LOGS_DIR"], f"worker-{w}.log") for w in range(2)]
     for log in logs:
