@@ -12,14 +12,13 @@ file, malformed data, an unknown task) ends with one line on stderr and exit sta
 
 import logging as std_logging
 import os
-import sys
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from lambjax import distributed, host_memory
+from lambjax import cli, distributed, host_memory
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Fine-tuning config file.")
 _WORKDIR = flags.DEFINE_string("workdir", None, "Directory for checkpoints, metrics, results.")
@@ -46,13 +45,13 @@ def main(argv):
 
     from lambjax.data import DataError
     from lambjax.finetune import loop
+    from lambjax.train.checkpointing import CheckpointMismatch
 
     try:
         loop.finetune(_CONFIG.value, _WORKDIR.value)
-    except DataError as error:  # FinetuneError included: the user's input, in one line
-        print(f"lambjax.finetune: error: {error}", file=sys.stderr)
-        sys.exit(2)
+    except (DataError, CheckpointMismatch) as error:  # FinetuneError is a DataError
+        cli.fail("lambjax.finetune", str(error))
 
 
 if __name__ == "__main__":
-    app.run(main)
+    app.run(main, flags_parser=cli.flags_parser("lambjax.finetune"))

@@ -297,18 +297,6 @@ def finetune(config, workdir: str) -> dict:
     ckpt = checkpointing.PhaseCheckpoints(
         workdir, CHECKPOINT_NAME, max_to_keep=config.max_checkpoints_to_keep, async_save=False
     )
-    restored = ckpt.restore_latest(run.abstract_state())
-    if restored is not None:
-        logging.info("Resuming from the checkpoint at step %d", restored.step)
-        state, step = restored.state, restored.step
-    else:
-        params = jax.device_put(run.params, run.state_shardings.params)
-        state, step = (
-            TrainState.create(params, run.optimizer, opt_state=steps.init_optimizer(params)),
-            0,
-        )
-        state = jax.device_put(state, run.state_shardings)
-    run.params = None  # the host copy is no longer needed
     meta = {
         "task": run.task.name,
         "init": config.init,
@@ -317,6 +305,22 @@ def finetune(config, workdir: str) -> dict:
         "vocab_file": run.vocab_file,
         "lower_case": run.lower_case,
     }
+    restored = ckpt.restore_latest(run.abstract_state())
+    if restored is not None:
+        for field in ("task", "init"):
+            if restored.meta.get(field) != meta[field]:
+                ckpt.close()
+                raise FinetuneError(
+                    f"{workdir} holds a fine-tuning run with {field}={restored.meta.get(field)!r}"
+                    f", not {meta[field]!r}: use another --workdir"
+                )
+        logging.info("Resuming from the checkpoint at step %d", restored.step)
+        state, step = restored.state, restored.step
+    else:
+        params = jax.device_put(run.params, run.state_shardings.params)
+        state = TrainState.create(params, run.optimizer, opt_state=steps.init_optimizer(params))
+        state, step = jax.device_put(state, run.state_shardings), 0
+    run.params = None  # the host copy is no longer needed
     # Imported here: its TensorBoard writer loads TensorFlow (seconds), which a run that
     # stops at bad input never needs.
     from lambjax.train import metrics as metrics_lib
