@@ -37,23 +37,41 @@ def flags_parser(program: str, config_flag: str = "config"):
 
 def check_config_flags(args: list[str], name: str = "config") -> None:
     """Raises ValueError naming the first bad `--NAME` or `--NAME.FIELD` flag in `args`."""
-    spec, overrides = None, []
+    spec = config_spec(args, name)
+    if spec is None:
+        return  # absl reports the missing flag
+    config = load_config(spec, name)
+    for override in config_overrides(args, name):
+        check_override(config, override, spec, name)
+
+
+def config_spec(args: list[str], name: str = "config") -> str | None:
+    """The `FILE[:ARG]` of `--NAME=FILE[:ARG]` (or `--NAME FILE[:ARG]`) in `args`."""
+    spec = None
     for index, arg in enumerate(args):
         if arg == f"--{name}" and index + 1 < len(args):
             spec = args[index + 1]
         elif arg.startswith(f"--{name}="):
             spec = arg.split("=", 1)[1]
-        elif arg.startswith((f"--{name}.", f"--no{name}.")):
-            overrides.append(arg)
-    if spec is None:
-        return  # absl reports the missing flag
-    config = load_config(spec, name)
-    for override in overrides:
-        check_override(config, override, spec, name)
+    return spec
+
+
+def config_overrides(args: list[str], name: str = "config") -> list[str]:
+    """The `--NAME.FIELD=VALUE` (and `--noNAME.FIELD`) flags in `args`, in order."""
+    return [arg for arg in args if arg.startswith((f"--{name}.", f"--no{name}."))]
 
 
 def load_config(spec: str, name: str = "config") -> ml_collections.ConfigDict:
     """`get_config(ARG)` of the file in `FILE[:ARG]`, as ml_collections' config flag calls it."""
+    module, arg = load_module(spec, name)
+    try:
+        return module.get_config(arg) if arg else module.get_config()
+    except ValueError as error:
+        raise ValueError(f"--{name}={spec}: {error}") from error
+
+
+def load_module(spec: str, name: str = "config"):
+    """(the config file's module, ARG or "") of `FILE[:ARG]`."""
     path, _, arg = spec.partition(":")
     if not os.path.isfile(path):
         folder = os.path.dirname(path) or "."
@@ -69,10 +87,7 @@ def load_config(spec: str, name: str = "config") -> ml_collections.ConfigDict:
     module_spec.loader.exec_module(module)
     if not hasattr(module, "get_config"):
         raise ValueError(f"--{name}={spec}: {path} defines no get_config()")
-    try:
-        return module.get_config(arg) if arg else module.get_config()
-    except ValueError as error:
-        raise ValueError(f"--{name}={spec}: {error}") from error
+    return module, arg
 
 
 def check_override(config, override: str, spec: str, name: str) -> None:

@@ -9,7 +9,9 @@ documents out (`validation_fraction` of them, chosen by a hash of the document i
 """
 
 import concurrent.futures
+import contextlib
 import dataclasses
+import fcntl
 import functools
 import hashlib
 import json
@@ -116,22 +118,23 @@ def prepare(data_config, max_seq_length: int, *, data_dir: str | None = None) ->
         "shard_documents": config["build_shard_documents"],
     }
     key = "k" + hashlib.sha256(json.dumps(inputs, sort_keys=True).encode()).hexdigest()[:16]
-    builder = PretrainingExamples(
-        key=key,
-        description=json.dumps({**inputs, "source": config["source"]}),
-        make_examples=lambda: _split_examples(load_documents(), tokenizer, options, config),
-        data_dir=data_dir,
-        file_format="array_record",
-    )
-    if not builder.is_prepared():
-        logging.info(
-            "Building pretraining examples %s (seq %d) in %s", key, max_seq_length, data_dir
+    with _build_lock(data_dir, key):  # the builder reads the dataset's info when made
+        builder = PretrainingExamples(
+            key=key,
+            description=json.dumps({**inputs, "source": config["source"]}),
+            make_examples=lambda: _split_examples(load_documents(), tokenizer, options, config),
+            data_dir=data_dir,
+            file_format="array_record",
         )
-        builder.download_and_prepare(
-            download_config=tfds.download.DownloadConfig(
-                try_download_gcs=False, verify_ssl=False, max_examples_per_split=None
+        if not builder.is_prepared():
+            logging.info(
+                "Building pretraining examples %s (seq %d) in %s", key, max_seq_length, data_dir
             )
-        )
+            builder.download_and_prepare(
+                download_config=tfds.download.DownloadConfig(
+                    try_download_gcs=False, verify_ssl=False, max_examples_per_split=None
+                )
+            )
     vocab = tokenizer.get_vocab()
     return Prepared(
         data_sources={split: builder.as_data_source(split=split) for split in builder.info.splits},
@@ -142,6 +145,22 @@ def prepare(data_config, max_seq_length: int, *, data_dir: str | None = None) ->
         max_seq_length=max_seq_length,
         data_config=config,
     )
+
+
+@contextlib.contextmanager
+def _build_lock(data_dir: str, key: str):
+    """One build of a dataset at a time across processes sharing a local data_dir (e.g. the
+    trials of a sweep): the others wait for it, then read what it built."""
+    if "://" in data_dir:
+        yield
+        return
+    os.makedirs(data_dir, exist_ok=True)
+    with open(os.path.join(data_dir, f".build-{key}.lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
 
 
 def _check_config(config: dict) -> None:

@@ -1,0 +1,103 @@
+r"""Run a config's sweep, or report on one.
+
+  python -m lambjax.sweep --config=configs/bert_lamb.py:base,runlocal --workdir=DIR \
+      [--parallel=N] [--dry-run] [--trial=NAME_OR_INDEX] [--config.FIELD=VALUE ...]
+  python -m lambjax.sweep report DIR
+
+The config file's `get_sweep(arg)` gives the trials (lambjax.sweep.spec); each runs as
+`lambjax.main` in DIR/<trial name> with its overrides after the `--config.FIELD=VALUE` flags
+given here (those apply to every trial). Finished trials are skipped; interrupted ones
+resume. `--trial` runs one trial in the foreground (a SLURM array task, a TPU VM node);
+`--dry-run` prints the trials' commands. The sweep's state is DIR/sweep.json; `report`
+writes DIR/report.md and plots (lambjax.sweep.report).
+"""
+
+import os
+import shlex
+import sys
+
+from absl import app, flags
+from ml_collections import config_flags
+
+from lambjax import cli
+
+_CONFIG = config_flags.DEFINE_config_file("config", None, "Config file that defines get_sweep().")
+_WORKDIR = flags.DEFINE_string("workdir", None, "The sweep's directory: one workdir per trial.")
+_PARALLEL = flags.DEFINE_integer("parallel", 1, "Trials to run at a time on this machine.")
+_DRY_RUN = flags.DEFINE_bool("dry_run", False, "Print the trials' commands; run nothing.")
+_TRIAL = flags.DEFINE_string("trial", None, "Run only this trial (name or index), here.")
+
+PROGRAM = "lambjax.sweep"
+
+
+def main(argv):
+    if argv[1:2] == ["report"]:
+        return report(argv[2:])
+    if len(argv) > 1:
+        cli.fail(PROGRAM, f"unexpected arguments {argv[1:]}; did you mean `report DIR`?")
+    if _CONFIG.value is None or _WORKDIR.value is None:
+        cli.fail(PROGRAM, "give --config=FILE[:ARG] and --workdir=DIR (or: report DIR)")
+    if _PARALLEL.value < 1:
+        cli.fail(PROGRAM, f"--parallel={_PARALLEL.value} must be at least 1")
+
+    from lambjax.sweep import runner, spec
+
+    config_spec = cli.config_spec(sys.argv[1:])
+    module, arg = cli.load_module(config_spec)
+    if not hasattr(module, "get_sweep"):
+        cli.fail(PROGRAM, f"--config={config_spec}: the file defines no get_sweep()")
+    try:
+        trials = spec.trials(_CONFIG.value, module.get_sweep(arg) if arg else module.get_sweep())
+    except (spec.SweepError, ValueError) as error:
+        cli.fail(PROGRAM, f"--config={config_spec}: {error}")
+    base_flags = cli.config_overrides(sys.argv[1:])
+    sweep = runner.Sweep(_CONFIG.value, config_spec, _WORKDIR.value, trials, base_flags)
+    if _TRIAL.value is not None:
+        trial = pick(trials, _TRIAL.value)
+        os.execv(sys.executable, sweep.command(trial))
+    if _DRY_RUN.value:
+        for trial in trials:
+            done = "  # finished" if sweep.records[trial.name]["status"] == "finished" else ""
+            print(shlex.join(sweep.command(trial)) + done)
+        return
+    failed = sweep.run_local(_PARALLEL.value)
+    print(report_text(sweep.dir))
+    if failed:
+        cli.fail(PROGRAM, f"{failed} trial(s) failed; see their log.txt in {sweep.dir}")
+
+
+def pick(trials, key: str):
+    by_name = {t.name: t for t in trials}
+    if key in by_name:
+        return by_name[key]
+    if key.isdigit() and int(key) < len(trials):
+        return trials[int(key)]
+    cli.fail(PROGRAM, f"--trial={key}: no such trial; give an index below {len(trials)} or a name")
+
+
+def report(args: list[str]) -> None:
+    if len(args) != 1:
+        cli.fail(PROGRAM, "report takes one directory: python -m lambjax.sweep report DIR")
+    try:
+        print(report_text(args[0]))
+    except FileNotFoundError as error:
+        cli.fail(PROGRAM, str(error))
+
+
+def report_text(directory: str) -> str:
+    from lambjax.sweep import report as report_lib
+
+    table = report_lib.write_report(directory)
+    return f"{table}\n\nreport: {os.path.join(directory, 'report.md')} (plots beside it)"
+
+
+def parse_flags(argv: list[str]) -> list[str]:
+    argv = [
+        arg.replace("--dry-run", "--dry_run", 1) if arg.startswith("--dry-run") else arg
+        for arg in argv
+    ]
+    return cli.flags_parser(PROGRAM)(argv)
+
+
+if __name__ == "__main__":
+    app.run(main, flags_parser=parse_flags)

@@ -1,0 +1,164 @@
+"""A sweep's results: a table and plots from each trial's metrics.jsonl.
+
+  python -m lambjax.sweep report DIR
+
+prints the table (overrides, final and best eval MLM accuracy and loss, steps, wall time)
+and writes it to DIR/report.md, with DIR/eval_curves.png (eval MLM loss and accuracy
+against step, one line per trial) and DIR/final_vs_<field>.png (the final eval MLM accuracy
+and loss against each swept field). DIR may also be a single run's workdir. TensorBoard
+pointed at DIR shows every trial.
+"""
+
+import json
+import math
+import os
+
+from lambjax.train.metrics import read_jsonl
+
+ACCURACY, LOSS = "eval/mlm_accuracy", "eval/mlm_loss"
+
+
+def summary(workdir: str) -> dict:
+    """Steps, and final and best eval MLM accuracy and loss, of one run's metrics.jsonl."""
+    path = os.path.join(workdir, "metrics.jsonl")
+    if not os.path.exists(path):
+        return {"steps": 0, "final": {}, "best": {}}
+    records = read_jsonl(path)
+    evals = [(step, r) for step, r in sorted(records.items()) if ACCURACY in r]
+    result = {"steps": max(records, default=0), "final": {}, "best": {}}
+    if evals:
+        result["final"] = {ACCURACY: evals[-1][1][ACCURACY], LOSS: evals[-1][1][LOSS]}
+        result["best"] = {
+            ACCURACY: max(r[ACCURACY] for _, r in evals),
+            LOSS: min(r[LOSS] for _, r in evals),
+        }
+    return result
+
+
+def trials_of(directory: str) -> dict[str, dict]:
+    """name -> {"overrides", "wall_time_s", ...} of a sweep directory, or of one run."""
+    sweep_file = os.path.join(directory, "sweep.json")
+    if os.path.exists(sweep_file):
+        with open(sweep_file, encoding="utf-8") as f:
+            trials = json.load(f)["trials"]
+        return {name: {**t, **summary(os.path.join(directory, name))} for name, t in trials.items()}
+    if os.path.exists(os.path.join(directory, "metrics.jsonl")):
+        name = os.path.basename(os.path.normpath(directory))
+        return {name: {"overrides": {}, "status": "", "wall_time_s": None, **summary(directory)}}
+    raise FileNotFoundError(f"{directory} holds neither sweep.json nor metrics.jsonl")
+
+
+def table(trials: dict[str, dict]) -> str:
+    """A Markdown table, one row per trial, best final MLM accuracy first."""
+    fields = sorted({key for t in trials.values() for key in t["overrides"]})
+    header = [
+        *fields,
+        "final acc",
+        "best acc",
+        "final loss",
+        "best loss",
+        "steps",
+        "time",
+        "status",
+    ]
+    rows = []
+    order = sorted(trials.items(), key=lambda kv: -kv[1]["final"].get(ACCURACY, -math.inf))
+    for _, trial in order:
+        final, best = trial["final"], trial["best"]
+        rows.append(
+            [
+                *(str(trial["overrides"].get(f, "")) for f in fields),
+                _percent(final.get(ACCURACY)),
+                _percent(best.get(ACCURACY)),
+                _number(final.get(LOSS)),
+                _number(best.get(LOSS)),
+                str(trial["steps"]),
+                _duration(trial.get("wall_time_s")),
+                trial.get("status", ""),
+            ]
+        )
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def write_report(directory: str) -> str:
+    """Writes report.md and the plots; returns the table."""
+    trials = trials_of(directory)
+    text = table(trials)
+    with open(os.path.join(directory, "report.md"), "w", encoding="utf-8") as f:
+        f.write(f"# Sweep {os.path.basename(os.path.normpath(directory))}\n\n{text}\n")
+    plot_curves(directory, trials)
+    plot_finals(directory, trials)
+    return text
+
+
+def plot_curves(directory: str, trials: dict) -> None:
+    plt = _pyplot()
+    figure, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for name, _ in trials.items():
+        path = os.path.join(directory, name, "metrics.jsonl")
+        if not os.path.exists(path):
+            path = os.path.join(directory, "metrics.jsonl")  # a single run's workdir
+        records = read_jsonl(path) if os.path.exists(path) else {}
+        evals = [(s, r) for s, r in sorted(records.items()) if ACCURACY in r]
+        steps = [s for s, _ in evals]
+        axes[0].plot(steps, [r[LOSS] for _, r in evals], marker="o", label=name)
+        axes[1].plot(steps, [r[ACCURACY] for _, r in evals], marker="o", label=name)
+    for axis, title in zip(axes, ("eval MLM loss", "eval MLM accuracy"), strict=True):
+        axis.set_xlabel("step")
+        axis.set_title(title)
+    axes[1].legend(fontsize="small")
+    figure.tight_layout()
+    figure.savefig(os.path.join(directory, "eval_curves.png"), dpi=100)
+    plt.close(figure)
+
+
+def plot_finals(directory: str, trials: dict) -> None:
+    plt = _pyplot()
+    fields = sorted({key for t in trials.values() for key in t["overrides"]})
+    for field in fields:
+        points = [
+            (t["overrides"][field], t["final"][ACCURACY], t["final"][LOSS])
+            for t in trials.values()
+            if field in t["overrides"] and t["final"]
+        ]
+        if not points or not all(isinstance(p[0], int | float) for p in points):
+            continue
+        points.sort()
+        figure, axes = plt.subplots(1, 2, figsize=(9, 3.5))
+        axes[0].plot([p[0] for p in points], [p[2] for p in points], "o")
+        axes[1].plot([p[0] for p in points], [p[1] for p in points], "o")
+        for axis, title in zip(
+            axes, ("final eval MLM loss", "final eval MLM accuracy"), strict=True
+        ):
+            axis.set_xlabel(field)
+            axis.set_title(title)
+        figure.tight_layout()
+        figure.savefig(os.path.join(directory, f"final_vs_{field}.png"), dpi=100)
+        plt.close(figure)
+
+
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _percent(value) -> str:
+    return "" if value is None else f"{100 * value:.2f}%"
+
+
+def _number(value) -> str:
+    return "" if value is None else f"{value:.4f}"
+
+
+def _duration(seconds) -> str:
+    if seconds is None:
+        return ""
+    from lambjax.train.metrics import format_duration
+
+    return format_duration(seconds)

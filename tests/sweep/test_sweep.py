@@ -1,0 +1,197 @@
+"""Sweeps (lambjax.sweep): trials from get_sweep(), run N at a time, resumed, reported.
+
+The end-to-end tests run `python -m lambjax.sweep` as users do, over tests/sweep/
+three_trials.py (the demo's runlocal config, 3 trials), shortened to a few steps.
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from lambjax.sweep import report, spec
+from lambjax.train.config import base_config
+from lambjax.train.metrics import read_jsonl
+from tests.helpers import REPO, environment, losses, run
+
+CONFIG = "tests/sweep/three_trials.py"
+SHORT = [
+    "--config.phases.phase1.num_steps=4",
+    "--config.phases.phase2.num_steps=2",
+    "--config.checkpoint_every_steps=2",
+    "--config.eval_every_steps=2",
+    "--config.log_every_steps=1",
+]
+NAMES = [
+    "seed=0,data.masked_lm_prob=0.15",
+    "seed=1,data.masked_lm_prob=0.2",
+    "seed=2,data.masked_lm_prob=0.1",
+]
+
+
+def sweep_command(workdir, data_dir, *flags, config=CONFIG):
+    return [
+        sys.executable,
+        "-m",
+        "lambjax.sweep",
+        f"--config={config}",
+        f"--workdir={workdir}",
+        f"--config.data.data_dir={data_dir}",
+        *SHORT,
+        *flags,
+    ]
+
+
+def test_product_and_zipped_make_the_trials():
+    grid = spec.product({"a": [1, 2]}, {"b": [3, 4], "c": [5, 6]})
+    assert grid == [
+        {"a": 1, "b": 3, "c": 5},
+        {"a": 1, "b": 4, "c": 6},
+        {"a": 2, "b": 3, "c": 5},
+        {"a": 2, "b": 4, "c": 6},
+    ]
+    assert spec.product({"a": [1]}) + spec.zipped({"b": [2]}) == [{"a": 1}, {"b": 2}]
+    with pytest.raises(spec.SweepError, match="one length"):
+        spec.zipped({"a": [1, 2], "b": [3]})
+
+
+def test_trials_are_named_by_their_overrides_and_checked():
+    config = base_config()
+    trials = spec.trials(config, [{"seed": 1, "optimizer.b2": 0.98}, {"profile": True}])
+    assert [t.name for t in trials] == ["seed=1,optimizer.b2=0.98", "profile=true"]
+    assert trials[1].flags() == ["--config.profile=true"]
+    for sweep, message in (
+        ([], "the sweep is empty"),
+        ([{"sed": 1}], "trial 0: the config has no field 'sed'"),
+        ([{"optimizer.b3": 0.9}], "trial 0: optimizer has no field 'b3'"),
+        ([{"seed": 1.5}], "trial 0: seed=1.5 is a float; the field takes an int"),
+        ([{"profile": "yes"}], "trial 0: profile='yes' is a str; the field takes a bool"),
+        ([{"seed": 1}, {"seed": 1}], "trials 0 and 1 are the same"),
+        ([{"optimizer": 1}], "trial 0: optimizer is a group of fields"),
+    ):
+        with pytest.raises(spec.SweepError) as error:
+            spec.trials(config, sweep)
+        assert str(error.value).startswith(message), str(error.value)
+    assert spec.trials(config, [{"optimizer.b2": 1}])  # an int where a float goes
+
+
+@pytest.mark.parametrize(
+    "arg, message",
+    [
+        ("empty", "the sweep is empty"),
+        ("typo", "trial 0: phases.phase1 has no field 'learning_rat'"),
+        ("twice", "trials 0 and 1 are the same (seed=1)"),
+    ],
+)
+def test_a_bad_sweep_ends_before_any_trial_with_one_line(tmp_path, data_dir, arg, message):
+    workdir = tmp_path / "sweep"
+    result = run(sweep_command(workdir, data_dir, config=f"{CONFIG}:{arg}"), 1, check=False)
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert result.stderr.count("\n") == 1
+    assert result.stderr.startswith(f"lambjax.sweep: error: --config={CONFIG}:{arg}: {message}")
+    assert not workdir.exists()
+
+
+def test_dry_run_prints_the_commands(tmp_path, data_dir):
+    result = run(sweep_command(tmp_path, data_dir, "--dry-run"), 1)
+    lines = result.stdout.strip().splitlines()
+    assert len(lines) == 3
+    assert lines[1].endswith(
+        f"--workdir={tmp_path}/{NAMES[1]} --config.data.data_dir={data_dir} "
+        + " ".join(SHORT)
+        + " --config.seed=1 --config.data.masked_lm_prob=0.2"
+    )
+    assert not (tmp_path / "sweep.json").exists()
+
+
+@pytest.fixture(scope="module")
+def finished_sweep(tmp_path_factory, data_dir):
+    """The 3-trial sweep, 2 trials at a time, never interrupted."""
+    workdir = tmp_path_factory.mktemp("sweep")
+    result = run(sweep_command(workdir, data_dir, "--parallel=2"), 1)
+    return workdir, result
+
+
+def test_a_sweep_runs_every_trial_and_reports(finished_sweep):
+    workdir, result = finished_sweep
+    state = json.loads((workdir / "sweep.json").read_text())
+    assert sorted(state["trials"]) == sorted(NAMES)
+    assert {t["status"] for t in state["trials"].values()} == {"finished"}
+    assert state["trials"][NAMES[1]]["overrides"] == {"seed": 1, "data.masked_lm_prob": 0.2}
+    for name in NAMES:  # each trial is a run of its own overrides
+        saved = json.loads((workdir / name / "config.json").read_text())
+        assert saved["seed"] == NAMES.index(name)
+        assert (workdir / name / "checkpoints" / "phase2" / "2").is_dir()
+    # The report's figures are those of each trial's metrics.jsonl.
+    table = (workdir / "report.md").read_text()
+    assert table.split("\n", 2)[2].strip() in result.stdout
+    for name in NAMES:
+        records = read_jsonl(str(workdir / name / "metrics.jsonl"))
+        evals = [r for _, r in sorted(records.items()) if "eval/mlm_accuracy" in r]
+        final, best = evals[-1], min(r["eval/mlm_loss"] for r in evals)
+        overrides = state["trials"][name]["overrides"]
+        # Columns: the swept fields sorted (data.masked_lm_prob, seed), then the figures.
+        row = next(
+            line
+            for line in table.splitlines()
+            if line.startswith(f"| {overrides['data.masked_lm_prob']} | {overrides['seed']} |")
+        )
+        cells = [c.strip() for c in row.strip("|").split("|")]
+        assert cells[2] == f"{100 * final['eval/mlm_accuracy']:.2f}%"
+        assert cells[4] == f"{final['eval/mlm_loss']:.4f}"
+        assert cells[5] == f"{best:.4f}"
+        assert cells[6] == "6"
+    for png in ("eval_curves.png", "final_vs_data.masked_lm_prob.png", "final_vs_seed.png"):
+        assert (workdir / png).read_bytes().startswith(b"\x89PNG")
+
+
+def test_report_of_a_single_run(finished_sweep):
+    workdir, _ = finished_sweep
+    single = str(workdir / NAMES[0])
+    text = report.write_report(single)
+    rows = text.splitlines()[2:]
+    assert len(rows) == 1 and "| 6 |" in rows[0]  # one run: no overrides, its figures
+    assert (workdir / NAMES[0] / "report.md").exists()
+    assert (workdir / NAMES[0] / "eval_curves.png").exists()
+
+
+def test_a_killed_sweep_skips_finished_trials_and_resumes_bitwise(
+    finished_sweep, tmp_path, data_dir
+):
+    reference, _ = finished_sweep
+    workdir = tmp_path / "sweep"
+    process = subprocess.Popen(
+        sweep_command(workdir, data_dir, "--parallel=1"),
+        cwd=REPO,
+        env=environment(1),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    second = workdir / NAMES[1] / "checkpoints" / "phase1" / "2"
+    deadline = time.time() + 300
+    while not second.exists():
+        assert process.poll() is None and time.time() < deadline, "the sweep ended early"
+        time.sleep(0.05)
+    process.send_signal(signal.SIGKILL)
+    process.wait()
+    time.sleep(1)  # the trial dies with the sweep (PR_SET_PDEATHSIG)
+    first_log = (workdir / NAMES[0] / "log.txt").read_text()
+    assert not (workdir / NAMES[1] / "checkpoints" / "phase2").exists()
+
+    run(sweep_command(workdir, data_dir, "--parallel=2"), 1)
+    assert (workdir / NAMES[0] / "log.txt").read_text() == first_log  # not run again
+    assert "resuming from its checkpoint" in (workdir / NAMES[1] / "log.txt").read_text()
+    for name in NAMES:
+        assert losses(str(workdir / name)) == losses(str(reference / name)), name
+    state = json.loads((workdir / "sweep.json").read_text())
+    assert {t["status"] for t in state["trials"].values()} == {"finished"}
+
+
+def test_summary_of_a_run_without_evaluations(tmp_path):
+    (tmp_path / "metrics.jsonl").write_text('{"step": 3, "train/loss": 2.0}\n')
+    assert report.summary(str(tmp_path)) == {"steps": 3, "final": {}, "best": {}}
+    assert os.path.exists(tmp_path / "metrics.jsonl")
