@@ -14,6 +14,7 @@ PolyWarmUpScheduler with power 0.5). You et al., "Large Batch Optimization for D
 Learning: Training BERT in 76 minutes", ICLR 2020 (arXiv 1904.00962).
 """
 
+from lambjax.sweep import spec
 from lambjax.train import config as config_lib
 from lambjax.train import variants
 
@@ -50,3 +51,13 @@ def get_config(arg=None):
         ),
     )
     return variants.apply(config, names)
+
+
+def get_sweep(arg=None):
+    """Phase 1's peak learning rate by its warmup, around the recipe's (6e-3, 0.2843): the
+    search the LAMB paper ran for its large-batch settings, to run again on new hardware or
+    data. `python -m lambjax.sweep --config=configs/bert_lamb.py:large --workdir=DIR`."""
+    return spec.product(
+        {"phases.phase1.learning_rate": [4e-3, 6e-3, 8e-3]},
+        {"phases.phase1.warmup_fraction": [0.2, 0.2843]},
+    )

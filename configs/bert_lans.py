@@ -16,6 +16,7 @@ published for the 54-minute run. Betas, eps and weight decay are the authors' co
 (0.9, 0.999, 1e-6, 0.01), the gradient clip 1.0 that script's.
 """
 
+from lambjax.sweep import spec
 from lambjax.train import config as config_lib
 from lambjax.train import variants
 
@@ -55,3 +56,18 @@ def get_config(arg=None):
         ),
     )
     return variants.apply(config, names)
+
+
+def get_sweep(arg=None):
+    """Both phases' peak learning rate by the warmup, around the recipe's (5e-3, 0.05):
+    `python -m lambjax.sweep --config=configs/bert_lans.py:large --workdir=DIR`."""
+    return spec.product(
+        {
+            "phases.phase1.learning_rate": [3e-3, 5e-3, 7e-3],
+            "phases.phase2.learning_rate": [3e-3, 5e-3, 7e-3],
+        },
+        {
+            "phases.phase1.warmup_fraction": [0.025, 0.05],
+            "phases.phase2.warmup_fraction": [0.025, 0.05],
+        },
+    )

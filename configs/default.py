@@ -6,6 +6,7 @@ A few minutes on 2 CPU cores. LAMB with NVIDIA's settings and schedule shape; th
 rates suit this small batch (the paper's are for batch 65,536).
 """
 
+from lambjax.sweep import spec
 from lambjax.train import config as config_lib
 from lambjax.train import variants
 
@@ -46,3 +47,12 @@ def get_config(arg=None):
     config.eval_batch_size = 16
     config.checkpoint_every_steps = 100
     return variants.apply(config, names)
+
+
+def get_sweep(arg=None):
+    """The demo's phase-1 learning rate by warmup (6 trials of a few minutes each):
+    `python -m lambjax.sweep --config=configs/default.py --workdir=workdir/sweep --parallel=2`."""
+    return spec.product(
+        {"phases.phase1.learning_rate": [5e-3, 1e-2, 2e-2]},
+        {"phases.phase1.warmup_fraction": [0.05, 0.1]},
+    )
