@@ -1,14 +1,17 @@
 r"""Run a config's sweep, or report on one.
 
   python -m lambjax.sweep --config=configs/bert_lamb.py:base,runlocal --workdir=DIR \
-      [--parallel=N] [--dry-run] [--trial=NAME_OR_INDEX] [--config.FIELD=VALUE ...]
+      [--parallel=N] [--launcher=local|tpu|slurm] [--sbatch='OPTIONS'] [--dry-run] \
+      [--trial=NAME_OR_INDEX] [--config.FIELD=VALUE ...]
   python -m lambjax.sweep report DIR
 
 The config file's `get_sweep(arg)` gives the trials (lambjax.sweep.spec); each runs as
 `lambjax.main` in DIR/<trial name> with its overrides after the `--config.FIELD=VALUE` flags
-given here (those apply to every trial). Finished trials are skipped; interrupted ones
-resume. `--trial` runs one trial in the foreground (a SLURM array task, a TPU VM node);
-`--dry-run` prints the trials' commands. The sweep's state is DIR/sweep.json; `report`
+given here (those apply to every trial), here (`local`), on TPU VMs through
+launch/tpu/tpu_vm.sh (`tpu`, its settings from the environment), or as a SLURM job array of
+launch/slurm/train.sbatch (`slurm`). Finished trials are skipped; interrupted ones resume.
+`--trial` runs one trial in the foreground (what a SLURM array task runs); `--dry-run`
+prints the trials' commands. The sweep's state is DIR/sweep.json; `report`
 writes DIR/report.md and plots (lambjax.sweep.report).
 """
 
@@ -26,6 +29,12 @@ _WORKDIR = flags.DEFINE_string("workdir", None, "The sweep's directory: one work
 _PARALLEL = flags.DEFINE_integer("parallel", 1, "Trials to run at a time on this machine.")
 _DRY_RUN = flags.DEFINE_bool("dry_run", False, "Print the trials' commands; run nothing.")
 _TRIAL = flags.DEFINE_string("trial", None, "Run only this trial (name or index), here.")
+_LAUNCHER = flags.DEFINE_enum(
+    "launcher", "local", ["local", "tpu", "slurm"], "Where trials run (lambjax.sweep.runner)."
+)
+_SBATCH = flags.DEFINE_string(
+    "sbatch", "", "Options for sbatch (--launcher=slurm), e.g. '--nodes=2'."
+)
 
 PROGRAM = "lambjax.sweep"
 
@@ -55,15 +64,27 @@ def main(argv):
     if _TRIAL.value is not None:
         trial = pick(trials, _TRIAL.value)
         os.execv(sys.executable, sweep.command(trial))
+    launcher = _LAUNCHER.value
     if _DRY_RUN.value:
-        for trial in trials:
+        for index, trial in enumerate(trials):
             done = "  # finished" if sweep.records[trial.name]["status"] == "finished" else ""
-            print(shlex.join(sweep.command(trial)) + done)
+            slot = index % _PARALLEL.value if _PARALLEL.value > 1 else None
+            command = sweep.command(trial, "local" if launcher == "slurm" else launcher, slot)
+            print(shlex.join(command) + done)
         return
-    failed = sweep.run_local(_PARALLEL.value)
+    if launcher == "slurm":
+        try:
+            print(sweep.submit_slurm(shlex.split(_SBATCH.value)))
+        except (OSError, RuntimeError) as error:
+            cli.fail(PROGRAM, f"--launcher=slurm: {error}")
+        print(f"then: python -m lambjax.sweep report {sweep.dir}")
+        return
+    if launcher == "tpu" and not os.environ.get("TPU_NAME"):
+        cli.fail(PROGRAM, "--launcher=tpu: set TPU_NAME (and PROJECT, ZONE) as for tpu_vm.sh")
+    failed = sweep.run(_PARALLEL.value, launcher)
     print(report_text(sweep.dir))
     if failed:
-        cli.fail(PROGRAM, f"{failed} trial(s) failed; see their log.txt in {sweep.dir}")
+        cli.fail(PROGRAM, f"{failed} trial(s) failed; sweep.json names their logs")
 
 
 def pick(trials, key: str):

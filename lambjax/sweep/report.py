@@ -9,9 +9,12 @@ and loss against each swept field). DIR may also be a single run's workdir. Tens
 pointed at DIR shows every trial.
 """
 
+import io
 import json
 import math
 import os
+
+from etils import epath
 
 from lambjax.train.metrics import read_jsonl
 
@@ -20,10 +23,10 @@ ACCURACY, LOSS = "eval/mlm_accuracy", "eval/mlm_loss"
 
 def summary(workdir: str) -> dict:
     """Steps, and final and best eval MLM accuracy and loss, of one run's metrics.jsonl."""
-    path = os.path.join(workdir, "metrics.jsonl")
-    if not os.path.exists(path):
+    path = epath.Path(workdir) / "metrics.jsonl"
+    if not path.exists():
         return {"steps": 0, "final": {}, "best": {}}
-    records = read_jsonl(path)
+    records = read_jsonl(str(path))
     evals = [(step, r) for step, r in sorted(records.items()) if ACCURACY in r]
     result = {"steps": max(records, default=0), "final": {}, "best": {}}
     if evals:
@@ -37,12 +40,11 @@ def summary(workdir: str) -> dict:
 
 def trials_of(directory: str) -> dict[str, dict]:
     """name -> {"overrides", "wall_time_s", ...} of a sweep directory, or of one run."""
-    sweep_file = os.path.join(directory, "sweep.json")
-    if os.path.exists(sweep_file):
-        with open(sweep_file, encoding="utf-8") as f:
-            trials = json.load(f)["trials"]
-        return {name: {**t, **summary(os.path.join(directory, name))} for name, t in trials.items()}
-    if os.path.exists(os.path.join(directory, "metrics.jsonl")):
+    sweep_file = epath.Path(directory) / "sweep.json"
+    if sweep_file.exists():
+        trials = json.loads(sweep_file.read_text())["trials"]
+        return {name: {**t, **summary(f"{directory}/{name}")} for name, t in trials.items()}
+    if (epath.Path(directory) / "metrics.jsonl").exists():
         name = os.path.basename(os.path.normpath(directory))
         return {name: {"overrides": {}, "status": "", "wall_time_s": None, **summary(directory)}}
     raise FileNotFoundError(f"{directory} holds neither sweep.json nor metrics.jsonl")
@@ -86,8 +88,8 @@ def write_report(directory: str) -> str:
     """Writes report.md and the plots; returns the table."""
     trials = trials_of(directory)
     text = table(trials)
-    with open(os.path.join(directory, "report.md"), "w", encoding="utf-8") as f:
-        f.write(f"# Sweep {os.path.basename(os.path.normpath(directory))}\n\n{text}\n")
+    name = os.path.basename(os.path.normpath(directory))
+    (epath.Path(directory) / "report.md").write_text(f"# Sweep {name}\n\n{text}\n")
     plot_curves(directory, trials)
     plot_finals(directory, trials)
     return text
@@ -97,10 +99,10 @@ def plot_curves(directory: str, trials: dict) -> None:
     plt = _pyplot()
     figure, axes = plt.subplots(1, 2, figsize=(11, 4))
     for name, _ in trials.items():
-        path = os.path.join(directory, name, "metrics.jsonl")
-        if not os.path.exists(path):
-            path = os.path.join(directory, "metrics.jsonl")  # a single run's workdir
-        records = read_jsonl(path) if os.path.exists(path) else {}
+        path = epath.Path(directory) / name / "metrics.jsonl"
+        if not path.exists():
+            path = epath.Path(directory) / "metrics.jsonl"  # a single run's workdir
+        records = read_jsonl(str(path)) if path.exists() else {}
         evals = [(s, r) for s, r in sorted(records.items()) if ACCURACY in r]
         steps = [s for s, _ in evals]
         axes[0].plot(steps, [r[LOSS] for _, r in evals], marker="o", label=name)
@@ -110,8 +112,7 @@ def plot_curves(directory: str, trials: dict) -> None:
         axis.set_title(title)
     axes[1].legend(fontsize="small")
     figure.tight_layout()
-    figure.savefig(os.path.join(directory, "eval_curves.png"), dpi=100)
-    plt.close(figure)
+    save(figure, directory, "eval_curves.png")
 
 
 def plot_finals(directory: str, trials: dict) -> None:
@@ -135,8 +136,15 @@ def plot_finals(directory: str, trials: dict) -> None:
             axis.set_xlabel(field)
             axis.set_title(title)
         figure.tight_layout()
-        figure.savefig(os.path.join(directory, f"final_vs_{field}.png"), dpi=100)
-        plt.close(figure)
+        save(figure, directory, f"final_vs_{field}.png")
+
+
+def save(figure, directory: str, name: str) -> None:
+    """A PNG in `directory` (local or a bucket)."""
+    buffer = io.BytesIO()
+    figure.savefig(buffer, format="png", dpi=100)
+    _pyplot().close(figure)
+    (epath.Path(directory) / name).write_bytes(buffer.getvalue())
 
 
 def _pyplot():

@@ -1,14 +1,22 @@
-"""Running a sweep's trials on this machine, N at a time, and keeping track of them.
+"""Running a sweep's trials, and keeping track of them.
 
   DIR/sweep.json   the sweep: its config, and per trial its overrides, status, wall time and
                    final and best evaluation metrics (rewritten as trials start and end)
   DIR/NAME/        trial NAME's workdir (lambjax.main's), with its output in log.txt
 
-Each trial is `python -m lambjax.main --config=CONFIG --workdir=DIR/NAME --config.F=V ...`,
-so a trial is an ordinary run: rerunning the sweep skips trials whose last phase has its
-final checkpoint and resumes the others from their checkpoints (bitwise, as any run). A
-trial's process dies with the sweep's (`kill -9` included); SIGTERM or Ctrl-C to the sweep
-asks every running trial to save and stop.
+Where trials run (`launcher`):
+  local  `python -m lambjax.main --config=CONFIG --workdir=DIR/NAME --config.F=V ...` on this
+         machine, N at a time;
+  tpu    `launch/tpu/tpu_vm.sh run` per trial (workdir $BUCKET/$RUN = DIR/NAME), which
+         creates, installs, trains and supervises until the trial finishes; N at a time on
+         the nodes $TPU_NAME-0 .. $TPU_NAME-(N-1), or one after another on $TPU_NAME; the
+         supervisor's output goes to tpu-logs/SWEEP/NAME.log here;
+  slurm  one `sbatch --array` job of launch/slurm/train.sbatch, a task per unfinished trial
+         (`lambjax.sweep --trial=INDEX` under srun); the command returns once submitted.
+A trial is an ordinary run: rerunning the sweep skips trials whose last phase has its final
+checkpoint and resumes the others from their checkpoints (bitwise, as any run). A trial's
+process dies with the sweep's (`kill -9` included); SIGTERM or Ctrl-C to the sweep asks every
+running trial to save and stop.
 """
 
 import ctypes
@@ -24,6 +32,8 @@ from etils import epath
 from lambjax.sweep.spec import Trial
 
 SWEEP_FILE = "sweep.json"
+LAUNCHERS = ("local", "tpu", "slurm")
+LAUNCH_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(__file__))), "launch")
 
 
 def trial_command(config_spec: str, sweep_dir: str, trial: Trial, base_flags=()) -> list[str]:
@@ -70,23 +80,23 @@ class Sweep:
                 self.records[trial.name]["status"] = "finished"
 
     def read(self) -> dict:
-        path = os.path.join(self.dir, SWEEP_FILE)
-        if not os.path.exists(path):
-            return {}
-        with open(path, encoding="utf-8") as f:
-            return json.load(f)
+        path = epath.Path(self.dir) / SWEEP_FILE
+        return json.loads(path.read_text()) if path.exists() else {}
 
     def write(self) -> None:
         from lambjax.sweep import report
 
         for trial in self.trials:
-            self.records[trial.name].update(report.summary(os.path.join(self.dir, trial.name)))
+            self.records[trial.name].update(report.summary(self.workdir(trial)))
         content = {"config": self.config_spec, "flags": self.base_flags, "trials": self.records}
-        os.makedirs(self.dir, exist_ok=True)
-        temporary = os.path.join(self.dir, SWEEP_FILE + ".tmp")
-        with open(temporary, "w", encoding="utf-8") as f:
-            json.dump(content, f, indent=2)
-        os.replace(temporary, os.path.join(self.dir, SWEEP_FILE))
+        directory = epath.Path(self.dir)
+        directory.mkdir(parents=True, exist_ok=True)
+        temporary = directory / f"{SWEEP_FILE}.tmp"
+        temporary.write_text(json.dumps(content, indent=2))
+        temporary.replace(directory / SWEEP_FILE)
+
+    def workdir(self, trial: Trial) -> str:
+        return f"{self.dir}/{trial.name}"
 
     def finished(self, trial: Trial) -> bool:
         return final_checkpoint(self.config, self.dir, trial).exists()
@@ -94,28 +104,53 @@ class Sweep:
     def pending(self) -> list[Trial]:
         return [t for t in self.trials if self.records[t.name]["status"] != "finished"]
 
-    def command(self, trial: Trial) -> list[str]:
-        return trial_command(self.config_spec, self.dir, trial, self.base_flags)
+    def command(self, trial: Trial, launcher: str = "local", slot: int | None = None):
+        """The command that runs `trial`; `slot` picks the TPU node of a parallel sweep."""
+        if launcher == "local":
+            return trial_command(self.config_spec, self.dir, trial, self.base_flags)
+        if launcher == "tpu":
+            node = os.environ.get("TPU_NAME", "")
+            return [
+                os.path.join(LAUNCH_DIR, "tpu", "tpu_vm.sh"),
+                "run",
+                f"--tpu-name={node}-{slot}" if slot is not None else f"--tpu-name={node}",
+                f"--bucket={self.dir}",
+                f"--run={trial.name}",
+                f"--config={self.config_spec}",
+                "--",
+                *self.base_flags,
+                *trial.flags(),
+            ]
+        raise ValueError(f"launcher {launcher!r}; valid: {LAUNCHERS}")
 
-    def run_local(self, parallel: int, env: dict | None = None) -> int:
+    def log_path(self, trial: Trial, launcher: str) -> str:
+        if launcher == "tpu":  # the trial's workdir is in a bucket; the supervisor runs here
+            return os.path.join("tpu-logs", os.path.basename(self.dir), f"{trial.name}.log")
+        return os.path.join(self.workdir(trial), "log.txt")
+
+    def run(self, parallel: int, launcher: str = "local", env: dict | None = None) -> int:
         """Runs the unfinished trials, `parallel` at a time; returns how many failed."""
         queue, running, failed = list(self.pending()), {}, 0
+        free_slots = list(range(parallel))
         stop = _StopSignal()
         self.write()
         while queue or running:
-            while queue and len(running) < parallel and not stop.requested:
-                trial = queue.pop(0)
-                running[trial.name] = (trial, self.start(trial, env), time.time())
+            while queue and free_slots and not stop.requested:
+                trial, slot = queue.pop(0), free_slots.pop(0)
+                command = self.command(trial, launcher, slot if parallel > 1 else None)
+                process = self.start(trial, command, self.log_path(trial, launcher), env)
+                running[trial.name] = (trial, process, time.time(), slot)
             time.sleep(0.5)
             if stop.requested:
-                for _, process, _ in running.values():
+                for _, process, _, _ in running.values():
                     if process.poll() is None:
                         process.send_signal(signal.SIGTERM)
                 queue = []
-            for name, (trial, process, started) in list(running.items()):
+            for name, (trial, process, started, slot) in list(running.items()):
                 if process.poll() is None:
                     continue
                 del running[name]
+                free_slots.append(slot)
                 record = self.records[name]
                 record["wall_time_s"] += time.time() - started
                 if self.finished(trial):
@@ -123,24 +158,40 @@ class Sweep:
                 elif process.returncode == 0:
                     record["status"] = "stopped"
                 else:
-                    record["status"] = f"failed (exit {process.returncode}; see {name}/log.txt)"
+                    log = self.log_path(trial, launcher)
+                    record["status"] = f"failed (exit {process.returncode}; see {log})"
                     failed += 1
                 self.write()
         return failed
 
-    def start(self, trial: Trial, env: dict | None) -> subprocess.Popen:
-        workdir = os.path.join(self.dir, trial.name)
-        os.makedirs(workdir, exist_ok=True)
-        log = open(os.path.join(workdir, "log.txt"), "a", encoding="utf-8")  # noqa: SIM115
+    def start(self, trial: Trial, command: list[str], log_path: str, env) -> subprocess.Popen:
+        os.makedirs(os.path.dirname(log_path), exist_ok=True)
+        log = open(log_path, "a", encoding="utf-8")  # noqa: SIM115
         self.records[trial.name]["status"] = "running"
         self.write()
         return subprocess.Popen(
-            self.command(trial),
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            env=env,
-            preexec_fn=_die_with_parent,
+            command, stdout=log, stderr=subprocess.STDOUT, env=env, preexec_fn=_die_with_parent
         )
+
+    def submit_slurm(self, sbatch_args: list[str]) -> str:
+        """One array job, a task per unfinished trial; returns sbatch's output."""
+        indices = [str(i) for i, t in enumerate(self.trials) if t in self.pending()]
+        command = [
+            "sbatch",
+            f"--array={','.join(indices)}",
+            f"--output={self.dir}/slurm-%A_%a.out",
+            *sbatch_args,
+            os.path.join(LAUNCH_DIR, "slurm", "train.sbatch"),
+            *self.base_flags,
+        ]
+        env = {**os.environ, "CONFIG": self.config_spec, "WORKDIR": self.dir, "LAMBJAX_SWEEP": "1"}
+        result = subprocess.run(command, env=env, capture_output=True, text=True)
+        if result.returncode != 0:
+            raise RuntimeError(f"sbatch failed ({result.returncode}): {result.stderr.strip()}")
+        for trial in self.pending():
+            self.records[trial.name]["status"] = f"submitted ({result.stdout.strip()})"
+        self.write()
+        return result.stdout.strip()
 
 
 class _StopSignal:

@@ -8,6 +8,7 @@ import time
 import jax
 import numpy as np
 from clu import metric_writers
+from etils import epath
 
 
 class JsonlWriter(metric_writers.MetricWriter):
@@ -132,8 +133,7 @@ def run_summary(phases: list[tuple], workdir: str, checkpoints: str) -> str:
 def read_jsonl(path: str) -> dict[int, dict]:
     """metrics.jsonl as {step: merged record}; a later record of a step wins (resumed runs)."""
     records: dict[int, dict] = {}
-    with open(path, encoding="utf-8") as f:
-        for line in f:
-            record = json.loads(line)
-            records.setdefault(record["step"], {}).update(record)
+    for line in epath.Path(path).read_text().splitlines():
+        record = json.loads(line)
+        records.setdefault(record["step"], {}).update(record)
     return records
