@@ -153,7 +153,8 @@ class Sweep:
                 free_slots.append(slot)
                 record = self.records[name]
                 record["wall_time_s"] += time.time() - started
-                if self.finished(trial):
+                # `tpu_vm.sh run` returns 0 only once the run has finished.
+                if self.finished(trial) or (launcher == "tpu" and process.returncode == 0):
                     record["status"] = "finished"
                 elif process.returncode == 0:
                     record["status"] = "stopped"

@@ -195,3 +195,33 @@ def test_summary_of_a_run_without_evaluations(tmp_path):
     (tmp_path / "metrics.jsonl").write_text('{"step": 3, "train/loss": 2.0}\n')
     assert report.summary(str(tmp_path)) == {"steps": 3, "final": {}, "best": {}}
     assert os.path.exists(tmp_path / "metrics.jsonl")
+
+
+def test_a_tpu_sweep_runs_a_trial_per_node_through_tpu_vm_sh(tmp_path, data_dir):
+    """Against the fake Cloud TPU zone of the launch tests: 3 trials on 2 nodes."""
+    from tests.launch import cluster_fakes
+
+    env = cluster_fakes.environment(tmp_path, environment(1))
+    env.update(PROJECT="proj", ZONE="us-central2-b", TPU_NAME="bert", POLL_SECONDS="0.2")
+    env["PYTHONPATH"] = REPO  # the test's config file imports configs/
+    workdir = tmp_path / "bucket" / "sweep"
+    config = os.path.join(REPO, CONFIG)
+    command = sweep_command(workdir, data_dir, "--launcher=tpu", "--parallel=2", config=config)
+    result = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout + result.stderr
+    created = [
+        call[5]
+        for call in cluster_fakes.calls(env, "gcloud")
+        if call[1:5] == ["compute", "tpus", "tpu-vm", "create"]
+    ]
+    assert sorted(created) == ["bert-0", "bert-1"]  # a node per parallel slot
+    for index, name in enumerate(NAMES):
+        with open(workdir / name / "argv-worker0.jsonl") as f:
+            argv = json.loads(f.readline())  # what lambjax.main got on the trial's node
+        assert argv[:2] == [f"--config={config}", f"--workdir={workdir}/{name}"]
+        assert argv[2:-2] == [f"--config.data.data_dir={data_dir}", *SHORT]
+        masked = [0.15, 0.2, 0.1][index]
+        assert argv[-2:] == [f"--config.seed={index}", f"--config.data.masked_lm_prob={masked}"]
+        assert "the run finished" in (tmp_path / "tpu-logs" / "sweep" / f"{name}.log").read_text()
+    state = json.loads((workdir / "sweep.json").read_text())
+    assert {t["status"] for t in state["trials"].values()} == {"finished"}
