@@ -225,3 +225,30 @@ def test_a_tpu_sweep_runs_a_trial_per_node_through_tpu_vm_sh(tmp_path, data_dir)
         assert "the run finished" in (tmp_path / "tpu-logs" / "sweep" / f"{name}.log").read_text()
     state = json.loads((workdir / "sweep.json").read_text())
     assert {t["status"] for t in state["trials"].values()} == {"finished"}
+
+
+def test_a_slurm_sweep_submits_an_array_task_per_unfinished_trial(
+    finished_sweep, tmp_path, data_dir
+):
+    """Against the launch tests' fake sbatch/srun: trials 0 and 1 finished, 2 runs."""
+    import shutil
+
+    from tests.launch import cluster_fakes
+
+    reference, _ = finished_sweep
+    workdir = tmp_path / "sweep"
+    for name in NAMES[:2]:
+        shutil.copytree(reference / name, workdir / name)
+    env = cluster_fakes.environment(tmp_path, environment(1))
+    sbatch = "--sbatch=--nodes=1 --ntasks-per-node=1 --gpus-per-node=0"
+    command = sweep_command(workdir, data_dir, "--launcher=slurm", sbatch)
+    result = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout + result.stderr
+    [call] = cluster_fakes.calls(env, "sbatch")
+    assert call[1:3] == ["--array=2", f"--output={workdir}/slurm-%A_%a.out"]
+    assert call[-len(SHORT) :] == SHORT  # the sweep's own flags reach every trial
+    output = (workdir / "slurm-4242_2.out").read_text()
+    assert "Phase phase2: training steps 1..2" in output
+    assert losses(str(workdir / NAMES[2])) == losses(str(reference / NAMES[2]))
+    state = json.loads((workdir / "sweep.json").read_text())
+    assert state["trials"][NAMES[2]]["status"] == "submitted (Submitted batch job 4242)"
