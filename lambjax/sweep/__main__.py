@@ -81,7 +81,10 @@ def main(argv):
         return
     if launcher == "tpu" and not os.environ.get("TPU_NAME"):
         cli.fail(PROGRAM, "--launcher=tpu: set TPU_NAME (and PROJECT, ZONE) as for tpu_vm.sh")
-    failed = sweep.run(_PARALLEL.value, launcher)
+    try:
+        failed = sweep.run(_PARALLEL.value, launcher)
+    except spec.SweepError as error:
+        cli.fail(PROGRAM, str(error))
     print(report_text(sweep.dir))
     if failed:
         cli.fail(PROGRAM, f"{failed} trial(s) failed; sweep.json names their logs")

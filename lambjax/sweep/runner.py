@@ -29,7 +29,8 @@ import time
 
 from etils import epath
 
-from lambjax.sweep.spec import Trial
+from lambjax import distributed
+from lambjax.sweep.spec import SweepError, Trial
 
 SWEEP_FILE = "sweep.json"
 LAUNCHERS = ("local", "tpu", "slurm")
@@ -132,13 +133,16 @@ class Sweep:
         """Runs the unfinished trials, `parallel` at a time; returns how many failed."""
         queue, running, failed = list(self.pending()), {}, 0
         free_slots = list(range(parallel))
+        base_env = dict(os.environ if env is None else env)
+        slot_envs = slot_environments(parallel) if launcher == "local" else [{}] * parallel
         stop = _StopSignal()
         self.write()
         while queue or running:
             while queue and free_slots and not stop.requested:
                 trial, slot = queue.pop(0), free_slots.pop(0)
                 command = self.command(trial, launcher, slot if parallel > 1 else None)
-                process = self.start(trial, command, self.log_path(trial, launcher), env)
+                slot_env = {**base_env, **slot_envs[slot]}
+                process = self.start(trial, command, self.log_path(trial, launcher), slot_env)
                 running[trial.name] = (trial, process, time.time(), slot)
             time.sleep(0.5)
             if stop.requested:
@@ -193,6 +197,36 @@ class Sweep:
             self.records[trial.name]["status"] = f"submitted ({result.stdout.strip()})"
         self.write()
         return result.stdout.strip()
+
+
+def slot_environments(parallel: int, root: str = "/") -> list[dict]:
+    """Per parallel slot of a local sweep, what gives its trials devices of their own: on a
+    GPU host an equal share of the GPUs (CUDA_VISIBLE_DEVICES); on CPU nothing (every trial
+    has the host's CPU devices). A TPU host's chips belong to one process at a time."""
+    kind = distributed.platform(root)
+    if kind == "tpu" and parallel > 1:
+        raise SweepError(
+            f"--parallel={parallel} on a TPU host: libtpu gives every chip to one process; "
+            f"run trials one at a time, or --launcher=tpu for a node per trial"
+        )
+    if kind != "gpu":
+        return [{} for _ in range(parallel)]
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible:
+        gpus = visible.split(",")
+    else:
+        names = os.listdir(os.path.join(root, "dev"))
+        gpus = sorted((n[6:] for n in names if n[6:].isdigit() and n.startswith("nvidia")), key=int)
+    if not gpus or len(gpus) % parallel:
+        raise SweepError(
+            f"--parallel={parallel} does not divide this host's {len(gpus)} GPUs into equal "
+            f"shares; valid: a divisor of {len(gpus)}"
+        )
+    share = len(gpus) // parallel
+    return [
+        {"CUDA_VISIBLE_DEVICES": ",".join(gpus[slot * share : (slot + 1) * share])}
+        for slot in range(parallel)
+    ]
 
 
 class _StopSignal:

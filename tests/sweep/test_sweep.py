@@ -252,3 +252,30 @@ def test_a_slurm_sweep_submits_an_array_task_per_unfinished_trial(
     assert losses(str(workdir / NAMES[2])) == losses(str(reference / NAMES[2]))
     state = json.loads((workdir / "sweep.json").read_text())
     assert state["trials"][NAMES[2]]["status"] == "submitted (Submitted batch job 4242)"
+
+
+def test_parallel_trials_share_out_the_gpus_and_not_a_tpu(tmp_path, monkeypatch):
+    from lambjax.sweep import runner
+
+    monkeypatch.delenv("JAX_PLATFORMS", raising=False)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    gpu_host = tmp_path / "gpu"
+    (gpu_host / "dev").mkdir(parents=True)
+    for name in ("nvidia0", "nvidia1", "nvidia2", "nvidia3", "nvidiactl", "nvidia-uvm"):
+        (gpu_host / "dev" / name).touch()
+    assert runner.slot_environments(2, str(gpu_host)) == [
+        {"CUDA_VISIBLE_DEVICES": "0,1"},
+        {"CUDA_VISIBLE_DEVICES": "2,3"},
+    ]
+    with pytest.raises(spec.SweepError, match="does not divide this host's 4 GPUs"):
+        runner.slot_environments(3, str(gpu_host))
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,6")
+    assert runner.slot_environments(2, str(gpu_host))[1] == {"CUDA_VISIBLE_DEVICES": "6"}
+    tpu_host = tmp_path / "tpu" / "sys" / "bus" / "pci" / "devices" / "0000:00:04.0"
+    tpu_host.mkdir(parents=True)
+    (tpu_host / "vendor").write_text("0x1ae0\n")
+    (tpu_host / "device").write_text("0x005e\n")
+    with pytest.raises(spec.SweepError, match="libtpu gives every chip to one process"):
+        runner.slot_environments(2, str(tmp_path / "tpu"))
+    assert runner.slot_environments(1, str(tmp_path / "tpu")) == [{}]
+    assert runner.slot_environments(2, str(tmp_path / "cpu")) == [{}, {}]
