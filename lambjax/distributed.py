@@ -25,7 +25,7 @@ def detected_cluster():
     The same search `jax.distributed.initialize()` makes with no arguments: the first
     registered `ClusterEnv` (not opt-in only, e.g. mpi4py) whose `is_env_present()` holds.
     """
-    from jax._src import clusters
+    from jax._src import clusters  # private; setup.py pins jax to 0.10.x
 
     for env in clusters.ClusterEnv._cluster_types:
         if not env.opt_in_only_method and env.is_env_present():

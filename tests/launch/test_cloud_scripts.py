@@ -299,6 +299,13 @@ def test_slurm_tasks_see_every_gpu_of_their_node_and_requeue_at_the_time_limit()
     assert directives["signal"].startswith("B:") and "requeue" in directives
 
 
+def test_slurm_venv_has_cuda_jax_through_the_cuda_extra():
+    with open(os.path.join(REPO, "setup.py")) as f:
+        assert re.search(r'"cuda": \["jax\[cuda12\]>=0\.10,<0\.11"\]', f.read())
+    with open(os.path.join(REPO, "launch", "slurm", "train.sbatch")) as f:
+        assert "pip install -e '.[train,cuda]'" in f.read()
+
+
 def test_slurm_script_runs_the_project_venv_and_names_a_missing_one(tmp_path):
     env = cluster_fakes.environment(tmp_path)
     env.update(CONFIG="configs/bert_lamb.py:large", WORKDIR="/shared/run")
