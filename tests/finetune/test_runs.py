@@ -3,6 +3,7 @@
 starts from a pretraining workdir or a transformers directory, and rejects bad input in one
 line."""
 
+import collections
 import dataclasses
 import json
 import os
@@ -77,13 +78,12 @@ def test_squad_v1_learns_then_v2_from_its_transformers_export(tmp_path, data):
         dev = json.load(f)["data"]
     questions = squad_metrics.questions(dev)
     assert set(predictions) == {qa["id"] for qa in questions}  # every question scored
-    # Trivial baseline: the context's first word.
-    first_words = {
-        qa["id"]: p["context"].split()[0] for p in dev[0]["paragraphs"] for qa in p["qas"]
-    }
-    baseline = squad_metrics.evaluate_v1(dev, first_words)["f1"]
+    # Trivial baseline: the most frequent answer, for every question.
+    golds = collections.Counter(qa["answers"][0]["text"] for qa in questions)
+    majority = dict.fromkeys(predictions, golds.most_common(1)[0][0])
+    baseline = squad_metrics.evaluate_v1(dev, majority)["f1"]
     assert results["task"] == "squad_v1.1" and results["step"] == 100
-    assert results["eval"]["f1"] > 80 > baseline + 60, (results, baseline)
+    assert results["eval"]["f1"] > 80 > baseline + 50, (results, baseline)
     # The scorer command reads the run's predictions the same way.
     scored = helpers.run(
         [sys.executable, "-m", "lambjax.finetune.squad_eval", data["squad_dev"],
