@@ -2,6 +2,7 @@
 
 import json
 import re
+import sys
 
 import numpy as np
 import pytest
@@ -180,3 +181,75 @@ def test_bad_glue_files(tmp_path):
             glue.read(sst2, str(tmp_path / "x.tsv"))
     with pytest.raises(FinetuneError, match="GLUE task 'sst' is unknown; valid: cola sst2"):
         glue.get_task("sst")
+
+
+class FakeTfds:
+    """The part of `tensorflow_datasets` the readers use, holding prepared splits in memory.
+
+    Rows are shaped as the installed TFDS builders write them: GLUE's in
+    tensorflow_datasets/text/glue.py (MNLI's `premise`/`hypothesis` and its ClassLabel
+    names entailment, neutral, contradiction; SST-2's names negative, positive, the TSV's
+    0 and 1 in that order), SQuAD's in tensorflow_datasets/datasets/squad/
+    squad_dataset_builder.py (`answers` a Sequence of text and answer_start, v2.0's
+    `is_impossible`); text features come back from `as_numpy` as bytes.
+    """
+
+    def __init__(self, rows, label_names=None):
+        self.rows, self.label_names = rows, label_names
+
+    def builder(self, name, data_dir=None):
+        fake = self
+
+        class Builder:
+            data_dir = "/fake"
+            info = type(
+                "Info", (), {"features": {"label": type("L", (), {"names": fake.label_names})}}
+            )
+
+            def is_prepared(self):
+                return True
+
+            def as_dataset(self, split):
+                return fake.rows[split]
+
+        return Builder()
+
+    @staticmethod
+    def as_numpy(dataset):
+        return dataset
+
+
+def test_tfds_sources_map_to_glue_and_squad(monkeypatch):
+    mnli = FakeTfds(
+        {"validation_matched": [
+            {"premise": b"kilo", "hypothesis": b"lima", "label": 0, "idx": 0},
+            {"premise": b"mike", "hypothesis": b"alpha", "label": 2, "idx": 1},
+        ]},
+        label_names=["entailment", "neutral", "contradiction"],
+    )  # fmt: skip
+    monkeypatch.setitem(sys.modules, "tensorflow_datasets", mnli)
+    examples = glue.read(glue.get_task("mnli"), "tfds:glue/mnli:validation_matched")
+    assert examples.texts == [("kilo", "lima"), ("mike", "alpha")]
+    # TFDS's order (entailment, neutral, contradiction) becomes GLUE's TSV order.
+    assert [glue.TASKS["mnli"].labels[i] for i in examples.labels] == [
+        "entailment", "contradiction"]  # fmt: skip
+    sst2 = FakeTfds(
+        {"train": [{"sentence": b"fine", "label": 1, "idx": 0}]}, ["negative", "positive"]
+    )
+    monkeypatch.setitem(sys.modules, "tensorflow_datasets", sst2)
+    assert list(glue.read(glue.get_task("sst2"), "tfds:glue/sst2:train").labels) == [1]
+    with pytest.raises(FinetuneError, match="write tfds:NAME:SPLIT"):
+        glue.read(glue.get_task("sst2"), "tfds:glue")
+
+    context = "alpha bravo charlie"
+    squad_rows = FakeTfds({"validation": [
+        {"id": b"s1", "title": b"t", "context": context.encode(), "question": b"which?",
+         "answers": {"text": [b"bravo"], "answer_start": [6]}, "is_impossible": False},
+        {"id": b"s2", "title": b"t", "context": context.encode(), "question": b"none?",
+         "answers": {"text": [], "answer_start": []}, "is_impossible": True},
+    ]})  # fmt: skip
+    monkeypatch.setitem(sys.modules, "tensorflow_datasets", squad_rows)
+    examples, data = squad.read("tfds:squad/v2.0:validation", version_2=True, training=True)
+    assert [(e.qid, e.answer_text, e.answer_start) for e in examples] == [
+        ("s1", "bravo", 6), ("s2", "", -1)]  # fmt: skip
+    assert data[1]["paragraphs"][0]["qas"][0]["is_impossible"] is True
