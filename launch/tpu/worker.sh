@@ -17,7 +17,8 @@ JAX_TPU="jax[tpu]>=0.10,<0.11"
 # libtpu takes this lock while a process holds the TPU; one killed without cleaning up
 # leaves it behind, and the next process then fails to open the TPU.
 LIBTPU_LOCKFILE="${LIBTPU_LOCKFILE:-/tmp/libtpu_lockfile}"
-# The trainer's own processes, not shells whose command line mentions it.
+# The trainer's own processes, not shells whose command line mentions it (and, below, only
+# those running in this checkout).
 TRAINER_PATTERN='^[^ ]*python[0-9.]* -m lambjax\.main'
 
 say() { echo "lambjax-worker: $*"; }
@@ -53,6 +54,8 @@ clear_leftovers() {
     wait_gone "$pid" 120 || kill -KILL "$pid" 2> /dev/null || true
   fi
   for pid in $(pgrep -f "$TRAINER_PATTERN" || true); do
+    # Only this checkout's trainers (their working directory is $DIR), no other user's.
+    [ "$(readlink "/proc/$pid/cwd" 2> /dev/null)" = "$DIR" ] || continue
     say "killing leftover trainer process $pid"
     kill -KILL "$pid" 2> /dev/null || true
   done
