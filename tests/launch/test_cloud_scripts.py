@@ -173,8 +173,12 @@ def test_train_passes_flags_through_quoted_and_clears_leftovers(installed):
     homes = [cluster_fakes.worker_home(env, "bert", w) for w in range(2)]
     # A previous run's process and the libtpu lockfile it left behind.
     leftover = subprocess.Popen(["sleep", "600"])
-    reaper = threading.Thread(target=leftover.wait, daemon=True)  # no zombie once killed
-    reaper.start()
+    # Stray trainers: one in worker 0's checkout (killed), one elsewhere (not ours: kept).
+    disguise = ["bash", "-c", 'exec -a "/venv/bin/python -m lambjax.main" sleep 600']
+    stray = subprocess.Popen(disguise, cwd=os.path.join(homes[0], "lambjax"))
+    bystander = subprocess.Popen(disguise, cwd=homes[0])
+    for process in (leftover, stray, bystander):  # reaped at once when killed: no zombies
+        threading.Thread(target=process.wait, daemon=True).start()
     for home in homes:
         with open(os.path.join(home, "lambjax", "train.pid"), "w") as f:
             f.write(str(leftover.pid))
@@ -182,8 +186,9 @@ def test_train_passes_flags_through_quoted_and_clears_leftovers(installed):
     odd = "--config.data.note=a b;$(touch pwned)'\""
     config = "configs/bert_lamb.py:large,runlocal"
     tpu_vm(env, "train", f"--config={config}", "--", "--config.phases.phase1.num_steps=3", odd)
-    reaper.join(timeout=60)
-    assert leftover.returncode is not None
+    wait_for(lambda: leftover.returncode is not None and stray.returncode is not None)
+    assert bystander.poll() is None
+    bystander.kill()
     workdir = os.path.join(env["BUCKET"], "r1")
     wait_for(lambda: checkpoint(env) == 3 and not trainers(env), what="the run's end")
     for worker, home in enumerate(homes):
