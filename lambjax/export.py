@@ -24,14 +24,6 @@ _OUT = flags.DEFINE_string("out", None, "Directory to write the transformers che
 _OVERWRITE = flags.DEFINE_bool("overwrite", False, "Replace the files of a non-empty --out.")
 flags.mark_flags_as_required(["workdir", "out"])
 
-SPECIAL_TOKENS = {
-    "unk_token": "[UNK]",
-    "sep_token": "[SEP]",
-    "pad_token": "[PAD]",
-    "cls_token": "[CLS]",
-    "mask_token": "[MASK]",
-}
-
 
 def export_workdir(workdir: str, out: str, *, overwrite: bool = False) -> str:
     """Exports the newest checkpoint of a training workdir; returns what was exported."""
@@ -53,35 +45,11 @@ def export_workdir(workdir: str, out: str, *, overwrite: bool = False) -> str:
     hf.to_transformers(config, params, out, vocab_file=vocab)
     if vocab:
         lower_case = json.loads(meta["config"])["data"]["lower_case"]
-        save_tokenizer(out, vocab, lower_case, config.max_position_embeddings)
+        hf.save_tokenizer(out, vocab, lower_case, config.max_position_embeddings)
     tokenizer = (
         "with its tokenizer" if vocab else f"without a tokenizer ({meta.get('vocab_file')} is gone)"
     )
     return f"{meta['phase']} of {workdir} ({config.num_layers} layers) -> {out}, {tokenizer}"
-
-
-def save_tokenizer(out: str, vocab_file: str, lower_case: bool, max_length: int) -> None:
-    """The files `transformers.AutoTokenizer` needs to tokenize as lambjax does."""
-    import tokenizers
-
-    tokenizers.BertWordPieceTokenizer(vocab_file, lowercase=lower_case).save(
-        os.path.join(out, "tokenizer.json")
-    )
-    config = {
-        "tokenizer_class": "BertTokenizer",
-        "do_lower_case": lower_case,
-        # None: accents are stripped exactly when lower-casing (BERT's and `tokenizers`' rule).
-        "strip_accents": None,
-        "tokenize_chinese_chars": True,
-        "model_max_length": max_length,
-        **SPECIAL_TOKENS,
-    }
-    for name, content in (
-        ("tokenizer_config.json", config),
-        ("special_tokens_map.json", SPECIAL_TOKENS),
-    ):
-        with open(os.path.join(out, name), "w", encoding="utf-8") as f:
-            json.dump(content, f, indent=2)
 
 
 def main(argv):

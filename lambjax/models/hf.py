@@ -243,8 +243,8 @@ def to_transformers_task(
 ) -> None:
     """Writes a fine-tuned model for `BertForQuestionAnswering` (a span head,
     heads/qa_outputs) or `BertForSequenceClassification` (heads/pooler + heads/classifier;
-    `labels` names the classes, one output is regression). With `lower_case`, a
-    tokenizer_config.json records it for the tokenizer."""
+    `labels` names the classes, one output is regression). With `vocab_file` and
+    `lower_case`, the tokenizer's files too (save_tokenizer)."""
     if config.layer_norm != "post":
         raise ValueError("transformers BERT is PostLN: a layer_norm='pre' model cannot export")
     from safetensors.numpy import save_file
@@ -280,9 +280,46 @@ def to_transformers_task(
         json.dump(hf_config, f, indent=2)
     if vocab_file:
         shutil.copyfile(vocab_file, os.path.join(path, "vocab.txt"))
-    if lower_case is not None:
-        with open(os.path.join(path, "tokenizer_config.json"), "w", encoding="utf-8") as f:
-            json.dump({"tokenizer_class": "BertTokenizer", "do_lower_case": lower_case}, f)
+        if lower_case is not None:
+            save_tokenizer(path, vocab_file, lower_case, config.max_position_embeddings)
+
+
+SPECIAL_TOKENS = {
+    "unk_token": "[UNK]",
+    "sep_token": "[SEP]",
+    "pad_token": "[PAD]",
+    "cls_token": "[CLS]",
+    "mask_token": "[MASK]",
+}
+
+
+def save_tokenizer(path: str, vocab_file: str, lower_case: bool, max_length: int) -> None:
+    """The files `transformers.AutoTokenizer` needs to tokenize as lambjax does: vocab.txt,
+    tokenizer.json (the `tokenizers` WordPiece tokenizer lambjax uses), tokenizer_config.json
+    (casing, special tokens, maximum length) and special_tokens_map.json."""
+    import tokenizers
+
+    os.makedirs(path, exist_ok=True)
+    if not os.path.exists(os.path.join(path, "vocab.txt")):
+        shutil.copyfile(vocab_file, os.path.join(path, "vocab.txt"))
+    tokenizers.BertWordPieceTokenizer(vocab_file, lowercase=lower_case).save(
+        os.path.join(path, "tokenizer.json")
+    )
+    config = {
+        "tokenizer_class": "BertTokenizer",
+        "do_lower_case": lower_case,
+        # None: accents are stripped exactly when lower-casing (BERT's and `tokenizers`' rule).
+        "strip_accents": None,
+        "tokenize_chinese_chars": True,
+        "model_max_length": max_length,
+        **SPECIAL_TOKENS,
+    }
+    for name, content in (
+        ("tokenizer_config.json", config),
+        ("special_tokens_map.json", SPECIAL_TOKENS),
+    ):
+        with open(os.path.join(path, name), "w", encoding="utf-8") as f:
+            json.dump(content, f, indent=2)
 
 
 def from_transformers_task(path: str) -> tuple[bert.BertConfig, dict, list | None]:
