@@ -6,6 +6,7 @@ three_trials.py (the demo's runlocal config, 3 trials), shortened to a few steps
 
 import json
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -19,9 +20,9 @@ from lambjax.train.metrics import read_jsonl
 from tests.helpers import REPO, environment, losses, run
 
 CONFIG = "tests/sweep/three_trials.py"
-SHORT = [
-    "--config.phases.phase1.num_steps=4",
-    "--config.phases.phase2.num_steps=2",
+SHORT = [  # phase 1 only, 6 steps
+    "--config.phase_order=('phase1',)",
+    "--config.phases.phase1.num_steps=6",
     "--config.checkpoint_every_steps=2",
     "--config.eval_every_steps=2",
     "--config.log_every_steps=1",
@@ -100,11 +101,14 @@ def test_dry_run_prints_the_commands(tmp_path, data_dir):
     result = run(sweep_command(tmp_path, data_dir, "--dry-run"), 1)
     lines = result.stdout.strip().splitlines()
     assert len(lines) == 3
-    assert lines[1].endswith(
-        f"--workdir={tmp_path}/{NAMES[1]} --config.data.data_dir={data_dir} "
-        + " ".join(SHORT)
-        + " --config.seed=1 --config.data.masked_lm_prob=0.2"
-    )
+    assert shlex.split(lines[1])[3:] == [
+        f"--config={CONFIG}",
+        f"--workdir={tmp_path}/{NAMES[1]}",
+        f"--config.data.data_dir={data_dir}",
+        *SHORT,
+        "--config.seed=1",
+        "--config.data.masked_lm_prob=0.2",
+    ]
     assert not (tmp_path / "sweep.json").exists()
 
 
@@ -125,7 +129,7 @@ def test_a_sweep_runs_every_trial_and_reports(finished_sweep):
     for name in NAMES:  # each trial is a run of its own overrides
         saved = json.loads((workdir / name / "config.json").read_text())
         assert saved["seed"] == NAMES.index(name)
-        assert (workdir / name / "checkpoints" / "phase2" / "2").is_dir()
+        assert (workdir / name / "checkpoints" / "phase1" / "6").is_dir()
     # The report's figures are those of each trial's metrics.jsonl.
     table = (workdir / "report.md").read_text()
     assert table.split("\n", 2)[2].strip() in result.stdout
@@ -162,10 +166,12 @@ def test_report_of_a_single_run(finished_sweep):
 def test_a_killed_sweep_skips_finished_trials_and_resumes_bitwise(
     finished_sweep, tmp_path, data_dir
 ):
+    """The first two trials, one at a time: killed in the second, run again."""
     reference, _ = finished_sweep
     workdir = tmp_path / "sweep"
+    command = sweep_command(workdir, data_dir, "--parallel=1", config=f"{CONFIG}:two")
     process = subprocess.Popen(
-        sweep_command(workdir, data_dir, "--parallel=1"),
+        command,
         cwd=REPO,
         env=environment(1),
         stdout=subprocess.DEVNULL,
@@ -180,12 +186,12 @@ def test_a_killed_sweep_skips_finished_trials_and_resumes_bitwise(
     process.wait()
     time.sleep(1)  # the trial dies with the sweep (PR_SET_PDEATHSIG)
     first_log = (workdir / NAMES[0] / "log.txt").read_text()
-    assert not (workdir / NAMES[1] / "checkpoints" / "phase2").exists()
+    assert not (workdir / NAMES[1] / "checkpoints" / "phase1" / "6").exists()
 
-    run(sweep_command(workdir, data_dir, "--parallel=2"), 1)
+    run(command, 1)
     assert (workdir / NAMES[0] / "log.txt").read_text() == first_log  # not run again
     assert "resuming from its checkpoint" in (workdir / NAMES[1] / "log.txt").read_text()
-    for name in NAMES:
+    for name in NAMES[:2]:
         assert losses(str(workdir / name)) == losses(str(reference / name)), name
     state = json.loads((workdir / "sweep.json").read_text())
     assert {t["status"] for t in state["trials"].values()} == {"finished"}
@@ -248,7 +254,7 @@ def test_a_slurm_sweep_submits_an_array_task_per_unfinished_trial(
     assert call[1:3] == ["--array=2", f"--output={workdir}/slurm-%A_%a.out"]
     assert call[-len(SHORT) :] == SHORT  # the sweep's own flags reach every trial
     output = (workdir / "slurm-4242_2.out").read_text()
-    assert "Phase phase2: training steps 1..2" in output
+    assert "Phase phase1: training steps 1..6" in output
     assert losses(str(workdir / NAMES[2])) == losses(str(reference / NAMES[2]))
     state = json.loads((workdir / "sweep.json").read_text())
     assert state["trials"][NAMES[2]]["status"] == "submitted (Submitted batch job 4242)"
