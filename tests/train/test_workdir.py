@@ -181,7 +181,7 @@ def test_flag_mistakes_are_named(flags, message, monkeypatch):
     assert str(error.value).startswith(message)
 
 
-@pytest.mark.parametrize("flags, message", [FLAG_MISTAKES[0], FLAG_MISTAKES[2]])
+@pytest.mark.parametrize("flags, message", FLAG_MISTAKES[:3])
 def test_flag_mistakes_end_the_command_with_one_line(tmp_path, flags, message):
     result = main(tmp_path, *flags)
     assert result.returncode == 2, result.stderr[-2000:]
@@ -210,11 +210,19 @@ def test_workdir_mistakes_are_named(tmp_path):
     assert os.listdir(damaged) == ["config.json"]
 
 
-def test_a_workdir_mistake_ends_the_command_before_any_data_build(tmp_path):
+def test_workdir_mistakes_end_the_command_before_any_data_build(tmp_path):
     a_file = tmp_path / "a_file"
     a_file.write_text("")
-    result = main(tmp_path, f"--workdir={a_file}/run")
-    assert result.returncode == 2, result.stderr[-2000:]
-    last = result.stderr.strip().splitlines()[-1]
-    assert last.startswith(f"lambjax: error: --workdir={a_file}/run cannot be created")
-    assert "Traceback" not in result.stderr
+    damaged = tmp_path / "damaged"
+    damaged.mkdir()
+    (damaged / "config.json").write_text("{")
+    for workdir, message in (
+        (a_file, f"--workdir={a_file} is a file"),
+        (a_file / "run", f"--workdir={a_file}/run cannot be created"),
+        (damaged, f"{damaged}/config.json cannot be read"),
+    ):
+        result = main(tmp_path, f"--workdir={workdir}")
+        assert result.returncode == 2, result.stderr[-2000:]
+        last = result.stderr.strip().splitlines()[-1]
+        assert last.startswith(f"lambjax: error: {message}"), result.stderr[-2000:]
+        assert "Traceback" not in result.stderr
