@@ -79,6 +79,9 @@ def _finished_phases(workdir: str) -> list[tuple[int, str, int, dict, object]]:
 def from_workdir(workdir: str) -> Start:
     import orbax.checkpoint as ocp
 
+    from lambjax.train.workdir import resolve
+
+    workdir = resolve(workdir)  # Orbax reads absolute paths only
     finished = _finished_phases(workdir)
     if not finished:
         raise FinetuneError(

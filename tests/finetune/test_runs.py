@@ -178,9 +178,10 @@ def test_from_a_pretraining_workdir_and_bad_input(tmp_path, data):
     vocab.write_text("\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *words]) + "\n")
     pretrained = pretraining_workdir(tmp_path / "pretrain", str(vocab))
     workdir = tmp_path / "from-workdir"
+    relative = os.path.relpath(pretrained, helpers.REPO)  # as users type it
     run = helpers.run(
         finetune("configs/finetune/glue.py:sst2", workdir, data["sst2_train"], data["sst2_dev"],
-                 f"--config.init=workdir:{pretrained}", "--config.num_steps=2",
+                 f"--config.init=workdir:{relative}", "--config.num_steps=2",
                  "--config.lower_case=False", "--config.export_transformers=False"),
         devices=1,
     )  # fmt: skip
