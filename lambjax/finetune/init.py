@@ -15,8 +15,6 @@ import dataclasses
 import json
 import os
 
-import jax
-import numpy as np
 from absl import logging
 
 from lambjax.finetune.errors import FinetuneError
@@ -77,8 +75,7 @@ def _finished_phases(workdir: str) -> list[tuple[int, str, int, dict, object]]:
 
 
 def from_workdir(workdir: str) -> Start:
-    import orbax.checkpoint as ocp
-
+    from lambjax.train import checkpointing
     from lambjax.train.workdir import resolve
 
     workdir = resolve(workdir)  # Orbax reads absolute paths only
@@ -89,12 +86,7 @@ def from_workdir(workdir: str) -> Start:
             "(no final checkpoint); let pretraining finish a phase first"
         )
     _, phase, step, meta, path = finished[-1]
-    checkpointer = ocp.PyTreeCheckpointer()
-    tree = checkpointer.metadata(path / "state").item_metadata.tree
-    restore_args = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), tree)
-    state = checkpointer.restore(
-        path / "state", args=ocp.args.PyTreeRestore(restore_args=restore_args)
-    )
+    state = checkpointing.read_state_on_host(path / "state")
     config = bert.BertConfig(**meta["model_config"])
     run_config = json.loads(meta["config"])
     vocab = meta.get("vocab_file")

@@ -195,17 +195,19 @@ def latest_params(workdir: str) -> tuple[dict, dict]:
             order = json.loads(meta["config"]).get("phase_order", [])
             rank = order.index(meta["phase"]) if meta["phase"] in order else -1
             candidates.append((rank, step, phase_dir, meta))
-    checkpointer = ocp.PyTreeCheckpointer()
     for _, step, phase_dir, meta in sorted(candidates, key=lambda c: c[:2], reverse=True):
-        path = phase_dir / str(step) / "state"
         try:
-            tree = checkpointer.metadata(path).item_metadata.tree
-            restore_args = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), tree)
-            state = checkpointer.restore(
-                path, args=ocp.args.PyTreeRestore(restore_args=restore_args)
-            )
+            state = read_state_on_host(phase_dir / str(step) / "state")
         except Exception as error:  # noqa: BLE001 - an unreadable checkpoint is skipped
             logging.warning("skipping unreadable checkpoint %s: %s", step, error)
             continue
         return meta, state["params"]
     raise FileNotFoundError(f"no readable checkpoint under {root}")
+
+
+def read_state_on_host(path) -> dict:
+    """A checkpoint's saved state (`.../STEP/state`) as numpy arrays, whatever mesh wrote it."""
+    checkpointer = ocp.PyTreeCheckpointer()
+    tree = checkpointer.metadata(path).item_metadata.tree
+    restore_args = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), tree)
+    return checkpointer.restore(path, args=ocp.args.PyTreeRestore(restore_args=restore_args))
