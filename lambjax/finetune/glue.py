@@ -12,6 +12,7 @@ import dataclasses
 
 import numpy as np
 
+from lambjax.finetune import sources
 from lambjax.finetune.errors import FinetuneError
 
 
@@ -121,20 +122,10 @@ def _read_tsv(task: Task, path: str) -> Examples:
 
 
 def _read_tfds(task: Task, source: str, data_dir) -> Examples:
-    import tensorflow_datasets as tfds
-
-    name, _, split = source[len("tfds:") :].rpartition(":")
-    if not name:
-        raise FinetuneError(f"{source!r}: write tfds:NAME:SPLIT, e.g. tfds:glue/sst2:validation")
-    try:
-        builder = tfds.builder(name, data_dir=data_dir)
-    except Exception as e:  # noqa: BLE001 - TFDS raises many kinds for an unknown name
-        raise FinetuneError(f"{source}: cannot open {name!r}: {e}".splitlines()[0]) from e
-    if not builder.is_prepared():
-        raise FinetuneError(f"{source}: not prepared under {builder.data_dir}; run `tfds build`")
+    builder, rows = sources.tfds_rows(source, data_dir, "tfds:glue/sst2:validation")
     label_feature = builder.info.features["label"]
     texts, labels = [], []
-    for row in tfds.as_numpy(builder.as_dataset(split=split)):
+    for row in rows:
         texts.append(tuple(row[k].decode() for k in task.tfds_text))
         value = row["label"]
         if task.labels is None:

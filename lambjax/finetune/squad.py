@@ -20,6 +20,7 @@ import json
 
 import numpy as np
 
+from lambjax.finetune import sources
 from lambjax.finetune.errors import FinetuneError
 
 
@@ -59,19 +60,9 @@ def _read_json(path: str) -> list:
 
 def _read_tfds(source: str, data_dir) -> list:
     """A prepared TFDS SQuAD split as SQuAD's `data` list (one article per paragraph)."""
-    import tensorflow_datasets as tfds
-
-    name, _, split = source[len("tfds:") :].rpartition(":")
-    if not name:
-        raise FinetuneError(f"{source!r}: write tfds:NAME:SPLIT, e.g. tfds:squad/v1.1:validation")
-    try:
-        builder = tfds.builder(name, data_dir=data_dir)
-    except Exception as e:  # noqa: BLE001 - TFDS raises many kinds for an unknown name
-        raise FinetuneError(f"{source}: cannot open {name!r}: {e}".splitlines()[0]) from e
-    if not builder.is_prepared():
-        raise FinetuneError(f"{source}: not prepared under {builder.data_dir}; run `tfds build`")
+    _, rows = sources.tfds_rows(source, data_dir, "tfds:squad/v1.1:validation")
     data = []
-    for row in tfds.as_numpy(builder.as_dataset(split=split)):
+    for row in rows:
         answers = row["answers"]
         qa = {
             "id": row["id"].decode(),
