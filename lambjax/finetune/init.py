@@ -48,8 +48,9 @@ def load(init: str) -> Start:
 def _finished_phases(workdir: str) -> list[tuple[int, str, int, dict, object]]:
     """(rank in phase_order, phase, final step, meta, checkpoint path) of every phase whose
     final checkpoint exists."""
-    import orbax.checkpoint as ocp
     from etils import epath
+
+    from lambjax.train import checkpointing
 
     root = epath.Path(workdir) / "checkpoints"
     if not root.exists():
@@ -58,19 +59,12 @@ def _finished_phases(workdir: str) -> list[tuple[int, str, int, dict, object]]:
             "lambjax pretraining workdir?"
         )
     finished = []
-    for phase_dir in sorted(p for p in root.iterdir() if p.is_dir() and "." not in p.name):
-        manager = ocp.CheckpointManager(
-            phase_dir,
-            options=ocp.CheckpointManagerOptions(read_only=True),
-            item_names=("state", "data", "meta"),
-        )
-        for step in manager.all_steps():
-            meta = manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore())).meta
-            run_config = json.loads(meta["config"])
-            order = run_config.get("phase_order", [])
-            phase = meta["phase"]
-            if phase in order and step == run_config["phases"][phase]["num_steps"]:
-                finished.append((order.index(phase), phase, step, meta, phase_dir / str(step)))
+    for phase_dir, step, meta in checkpointing.saved_checkpoints(workdir):
+        run_config = json.loads(meta["config"])
+        order = run_config.get("phase_order", [])
+        phase = meta["phase"]
+        if phase in order and step == run_config["phases"][phase]["num_steps"]:
+            finished.append((order.index(phase), phase, step, meta, phase_dir / str(step)))
     return sorted(finished, key=lambda f: f[0])
 
 

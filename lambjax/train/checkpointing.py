@@ -169,22 +169,13 @@ def check_fits(directory, saved: dict, target: dict) -> None:
         )
 
 
-def latest_params(workdir: str) -> tuple[dict, dict]:
-    """(meta, params as numpy) of the newest readable checkpoint of a training workdir.
-
-    Phases are searched from the last of the run's `phase_order` backwards; the arrays are
-    read onto the host, whatever mesh wrote them (for export: lambjax.export).
-    """
+def saved_checkpoints(workdir: str) -> list[tuple[epath.Path, int, dict]]:
+    """(phase folder, step, meta) of every checkpoint of a training workdir (none: [])."""
     root = epath.Path(workdir) / "checkpoints"
-    phase_dirs = (
-        sorted(p for p in root.iterdir() if p.is_dir() and "." not in p.name)
-        if (root.exists())
-        else []
-    )
-    if not phase_dirs:
-        raise FileNotFoundError(f"no checkpoints under {root}: is {workdir} a training workdir?")
-    candidates = []
-    for phase_dir in phase_dirs:
+    if not root.exists():
+        return []
+    found = []
+    for phase_dir in sorted(p for p in root.iterdir() if p.is_dir() and "." not in p.name):
         manager = ocp.CheckpointManager(
             phase_dir,
             options=ocp.CheckpointManagerOptions(read_only=True),
@@ -192,9 +183,25 @@ def latest_params(workdir: str) -> tuple[dict, dict]:
         )
         for step in manager.all_steps():
             meta = manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore())).meta
-            order = json.loads(meta["config"]).get("phase_order", [])
-            rank = order.index(meta["phase"]) if meta["phase"] in order else -1
-            candidates.append((rank, step, phase_dir, meta))
+            found.append((phase_dir, step, meta))
+    return found
+
+
+def latest_params(workdir: str) -> tuple[dict, dict]:
+    """(meta, params as numpy) of the newest readable checkpoint of a training workdir.
+
+    Phases are searched from the last of the run's `phase_order` backwards; the arrays are
+    read onto the host, whatever mesh wrote them (for export: lambjax.export).
+    """
+    root = epath.Path(workdir) / "checkpoints"
+    saved = saved_checkpoints(workdir)
+    if not saved:
+        raise FileNotFoundError(f"no checkpoints under {root}: is {workdir} a training workdir?")
+    candidates = []
+    for phase_dir, step, meta in saved:
+        order = json.loads(meta["config"]).get("phase_order", [])
+        rank = order.index(meta["phase"]) if meta["phase"] in order else -1
+        candidates.append((rank, step, phase_dir, meta))
     for _, step, phase_dir, meta in sorted(candidates, key=lambda c: c[:2], reverse=True):
         try:
             state = read_state_on_host(phase_dir / str(step) / "state")
