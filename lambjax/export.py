@@ -9,11 +9,13 @@ trains and reads with), `tokenizer_config.json` and `special_tokens_map.json`, s
 transformers tokenizes as the run did (its lower-casing, its special tokens, the model's
 maximum length). The newest checkpoint is that of the last phase (in the run's
 `phase_order`) that has one; the arrays are read onto the host, whatever mesh wrote them.
-Paths may be relative or absolute. A DIR that holds files is refused unless --overwrite.
+Paths may be relative, absolute or gs:// URLs (written in a local folder, then copied). A DIR
+that holds files is refused unless --overwrite.
 """
 
 import json
 import os
+import tempfile
 
 from absl import app, flags
 
@@ -27,25 +29,36 @@ flags.mark_flags_as_required(["workdir", "out"])
 
 def export_workdir(workdir: str, out: str, *, overwrite: bool = False) -> str:
     """Exports the newest checkpoint of a training workdir; returns what was exported."""
+    from etils import epath
+
+    from lambjax import storage
     from lambjax.models import bert, hf
     from lambjax.train import checkpointing
     from lambjax.train.workdir import resolve
 
     workdir, out = resolve(workdir), resolve(out)
-    if not os.path.isdir(workdir):
+    storage.check_reachable(workdir, "--workdir")
+    storage.check_reachable(out, "--out")
+    if not epath.Path(workdir).is_dir():
         raise FileNotFoundError(f"--workdir={workdir}: no such directory")
-    if os.path.isdir(out) and os.listdir(out) and not overwrite:
+    out_path = epath.Path(out)
+    if out_path.is_dir() and any(out_path.iterdir()) and not overwrite:
         raise FileExistsError(
             f"--out={out} holds files; give an empty or new directory, or add --overwrite"
         )
     meta, params = checkpointing.latest_params(workdir)
     config = bert.BertConfig(**meta["model_config"])
     vocab = meta.get("vocab_file")
-    vocab = vocab if vocab and os.path.exists(vocab) else None
-    hf.to_transformers(config, params, out, vocab_file=vocab)
-    if vocab:
-        lower_case = json.loads(meta["config"])["data"]["lower_case"]
-        hf.save_tokenizer(out, vocab, lower_case, config.max_position_embeddings)
+    vocab = vocab if vocab and epath.Path(vocab).exists() else None
+    with tempfile.TemporaryDirectory(prefix="lambjax-export-") as scratch:
+        target = os.path.join(scratch, "out") if storage.is_remote(out) else out
+        local_vocab = storage.local_copy(vocab, scratch) if vocab else None
+        hf.to_transformers(config, params, target, vocab_file=local_vocab)
+        if vocab:
+            lower_case = json.loads(meta["config"])["data"]["lower_case"]
+            hf.save_tokenizer(target, local_vocab, lower_case, config.max_position_embeddings)
+        if target != out:
+            storage.copy_tree(target, out)
     tokenizer = (
         "with its tokenizer" if vocab else f"without a tokenizer ({meta.get('vocab_file')} is gone)"
     )
@@ -57,7 +70,7 @@ def main(argv):
         cli.fail("lambjax.export", f"unexpected arguments: {argv[1:]}")
     try:
         print(export_workdir(_WORKDIR.value, _OUT.value, overwrite=_OVERWRITE.value))
-    except (FileNotFoundError, FileExistsError, ValueError) as error:
+    except (OSError, ValueError) as error:
         cli.fail("lambjax.export", str(error))
 
 

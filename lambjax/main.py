@@ -12,11 +12,14 @@ import logging as std_logging
 import os
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # TensorFlow (metric writers, TFDS) is quiet
+# TensorFlow 2.21 logs a oneDNN notice at import whatever the level; its oneDNN kernels
+# serve no computation of lambjax (event files, TFDS decoding).
+os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "0")
 
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from lambjax import cli, distributed, host_memory
+from lambjax import cli, distributed, host_memory, storage  # storage: before any gs:// access
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Experiment config file.")
 _WORKDIR = flags.DEFINE_string("workdir", None, "Directory for checkpoints and metrics.")
@@ -57,6 +60,7 @@ def main(argv):
         ConfigError,
         DataError,
         MissingPhaseCheckpoint,
+        storage.StorageError,
         trainer.TrainingStopped,
         WorkdirError,
     )

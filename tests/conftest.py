@@ -14,6 +14,7 @@ os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 ).strip()
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "0")  # TensorFlow 2.21's import notice
 
 import jax  # noqa: E402
 
@@ -24,3 +25,15 @@ jax.config.update("jax_platforms", "cpu")
 def data_dir(tmp_path_factory):
     """A data_dir for the datasets that one test module's runs build and share."""
     return str(tmp_path_factory.mktemp("datasets"))
+
+
+@pytest.fixture(scope="session")
+def gcs_bucket(tmp_path_factory):
+    """gs://lambjax-test on a local GCS emulator (tests/gcs_emulator.py), with this process
+    and the commands it starts pointed at it."""
+    from tests.gcs_emulator import Emulator
+
+    emulator = Emulator(str(tmp_path_factory.mktemp("gcs")))
+    emulator.use()
+    yield emulator.create_bucket("lambjax-test")
+    emulator.stop()

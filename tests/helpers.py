@@ -69,6 +69,7 @@ def environment(devices: int) -> dict:
     env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
     env["JAX_PLATFORMS"] = "cpu"
     env["TF_CPP_MIN_LOG_LEVEL"] = "3"
+    env["TF_ENABLE_ONEDNN_OPTS"] = "0"  # TensorFlow 2.21's import notice (lambjax.main)
     return env
 
 
@@ -119,8 +120,13 @@ def losses(workdir: str) -> dict[int, float]:
 
 def wait_for_checkpoint(workdir, phase, step, process, timeout=300):
     path = os.path.join(workdir, "checkpoints", phase, str(step))
+    wait_until(lambda: os.path.exists(path), process, timeout, f"no checkpoint {path}")
+
+
+def wait_until(condition, process, timeout=300, what="condition"):
+    """Polls `condition` while `process` runs; fails if it ends first or after `timeout` s."""
     deadline = time.time() + timeout
-    while not os.path.exists(path):
+    while not condition():
         assert process.poll() is None, f"run ended early: {process.stderr.read()[-3000:]}"
-        assert time.time() < deadline, f"no checkpoint {path} after {timeout}s"
+        assert time.time() < deadline, f"{what} not met after {timeout}s"
         time.sleep(0.05)

@@ -14,6 +14,9 @@ import logging as std_logging
 import os
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+# TensorFlow 2.21 logs a oneDNN notice at import whatever the level; its oneDNN kernels
+# serve no computation of lambjax (event files, TFDS decoding).
+os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "0")
 
 from absl import app, flags, logging
 from ml_collections import config_flags

@@ -26,7 +26,7 @@ import orbax.checkpoint as ocp
 from absl import logging
 from etils import epath
 
-from lambjax import distributed
+from lambjax import distributed, storage
 
 
 class CheckpointMismatch(ValueError):
@@ -129,10 +129,9 @@ class PhaseCheckpoints:
         )
         distributed.barrier("quarantine-start")
         if jax.process_index() == 0:
-            target.parent.mkdir(parents=True, exist_ok=True)
             if target.exists():
                 target = target.parent / f"{step}.{int(time.time())}"
-            source.rename(target)
+            storage.move_tree(source, target)
         distributed.barrier("quarantine-done")
         self._manager.close()
         self._manager = self._open()

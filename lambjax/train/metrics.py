@@ -1,5 +1,10 @@
 """Where metrics go: TensorBoard and `metrics.jsonl` (every scalar), and the console (one
-readable line per log interval, a summary per phase)."""
+readable line per log interval, a summary per phase).
+
+For a gs:// workdir both files are written in a local folder that is mirrored into the
+bucket (`storage.Mirror`): at every `flush` (the trainer flushes before each checkpoint, so
+the bucket's metrics always reach the last checkpoint) and every `sync_interval_s` seconds.
+"""
 
 import json
 import os
@@ -9,6 +14,8 @@ import jax
 import numpy as np
 from clu import metric_writers
 from etils import epath
+
+from lambjax import storage
 
 
 class JsonlWriter(metric_writers.MetricWriter):
@@ -55,16 +62,55 @@ class JsonlWriter(metric_writers.MetricWriter):
         self._file.close()
 
 
-def create_writer(workdir: str) -> metric_writers.MetricWriter:
+class MirroredWriter(metric_writers.MultiWriter):
+    """Writers of a local folder that `mirror` copies into the workdir's bucket."""
+
+    def __init__(self, writers, mirror: storage.Mirror):
+        super().__init__(writers)
+        self.mirror = mirror
+
+    def write_scalars(self, step, scalars):
+        super().write_scalars(step, scalars)
+        self.mirror.sync(force=False)
+
+    def flush(self):
+        super().flush()
+        self.mirror.sync()
+
+    def close(self):
+        super().close()
+        self.mirror.sync()
+
+
+def create_writer(workdir: str, sync_interval_s: float = 30.0) -> metric_writers.MetricWriter:
     """TensorBoard event files and `metrics.jsonl` in the workdir, on process 0 only."""
     if jax.process_index() > 0:
         return metric_writers.MultiWriter([])
-    return metric_writers.MultiWriter(
+    if not storage.is_remote(workdir):
+        return metric_writers.MultiWriter(
+            [
+                metric_writers.SummaryWriter(workdir),
+                JsonlWriter(os.path.join(workdir, "metrics.jsonl")),
+            ]
+        )
+    mirror = storage.Mirror(workdir, sync_interval_s)
+    mirror.fetch("metrics.jsonl")  # a resumed run continues it
+    local = os.fspath(mirror.local)
+    return MirroredWriter(
         [
-            metric_writers.SummaryWriter(workdir),
-            JsonlWriter(os.path.join(workdir, "metrics.jsonl")),
-        ]
+            metric_writers.SummaryWriter(local),
+            JsonlWriter(os.path.join(local, "metrics.jsonl")),
+        ],
+        mirror,
     )
+
+
+def local_logdir(writer, workdir: str) -> str:
+    """Where TensorFlow-based writers (the profiler) may write: the workdir, or for a gs://
+    workdir the local folder that is mirrored into it."""
+    if isinstance(writer, MirroredWriter):
+        return os.fspath(writer.mirror.local)
+    return workdir
 
 
 def format_duration(seconds: float) -> str:

@@ -19,7 +19,7 @@ import numpy as np
 from absl import logging
 from clu import parameter_overview, periodic_actions
 
-from lambjax import distributed, sharding
+from lambjax import distributed, sharding, storage
 from lambjax.train import checkpointing, phases
 from lambjax.train import config as config_lib
 from lambjax.train import metrics as metrics_lib
@@ -73,6 +73,8 @@ def train_and_evaluate(config, workdir: str) -> dict:
     workdir = workdir_lib.resolve(workdir)
     config_lib.validate(config, num_devices=jax.device_count(), process_count=jax.process_count())
     workdir_lib.check(config, workdir)
+    for flag, path in data_paths(config.data):
+        storage.check_reachable(path, flag)
     writer = metrics_lib.create_writer(workdir)
     stop = distributed.StopRequest()
     results = []
@@ -89,6 +91,17 @@ def train_and_evaluate(config, workdir: str) -> dict:
         writer.close()
     log_summary(workdir, results)
     return results[-1].eval_metrics
+
+
+def data_paths(data_config) -> list[tuple[str, str]]:
+    """(flag, path) of every path the data config names."""
+    paths = [("--config.data.data_dir", data_config.data_dir)]
+    paths.append(("--config.data.tfds_data_dir", data_config.tfds_data_dir))
+    if data_config.vocab != "train":
+        paths.append(("--config.data.vocab", data_config.vocab))
+    if data_config.source.startswith("text:"):
+        paths.append(("--config.data.source", data_config.source[len("text:") :]))
+    return [(flag, path) for flag, path in paths if path]
 
 
 def run_phase(config, workdir: str, phase: Phase, writer, stop) -> PhaseResult:
@@ -152,7 +165,8 @@ class PhaseLoop:
         logging.info("Phase %s: training steps %d..%d", self.phase.name, step + 1, num_steps)
         hooks = []
         if config.profile and jax.process_index() == 0:
-            hooks.append(periodic_actions.Profile(logdir=self.workdir, first_profile=step + 5))
+            logdir = metrics_lib.local_logdir(self.writer, self.workdir)
+            hooks.append(periodic_actions.Profile(logdir=logdir, first_profile=step + 5))
         while step < num_steps:
             if stop.requested(step):
                 self.save(step, state)
@@ -225,6 +239,7 @@ class PhaseLoop:
         return {k: float(v) for k, v in metrics.items()}
 
     def save(self, step: int, state) -> None:
+        self.writer.flush()  # the metrics reach every checkpoint (in a bucket too)
         if not self.ckpt.steps():  # the phase's first checkpoint: the config it runs
             workdir_lib.save_config(self.config, self.workdir)
         self.ckpt.save(step, state, self.train_iter.get_state(), self.meta)

@@ -21,6 +21,8 @@ import jax
 from absl import logging
 from etils import epath
 
+from lambjax import storage
+
 CONFIG_FILE = "config.json"
 
 # Fields that may change when a run resumes (fnmatch patterns of dotted names).
@@ -53,9 +55,7 @@ class WorkdirError(ValueError):
     """The workdir cannot hold this run; the message names the path and what to do."""
 
 
-def resolve(path: str) -> str:
-    """An absolute local path (Orbax needs one), or a URL such as gs://... unchanged."""
-    return path if "://" in path else str(epath.Path(path).expanduser().resolve())
+resolve = storage.resolve
 
 
 def check(config, workdir: str) -> None:
@@ -78,6 +78,10 @@ def check(config, workdir: str) -> None:
 
 
 def ensure_writable(workdir: str) -> None:
+    try:
+        storage.check_reachable(workdir, "--workdir")
+    except storage.StorageError as error:
+        raise WorkdirError(str(error)) from error
     path = epath.Path(workdir)
     if path.exists() and not path.is_dir():
         raise WorkdirError(f"--workdir={workdir} is a file; give a directory (new or a run's)")
@@ -85,11 +89,12 @@ def ensure_writable(workdir: str) -> None:
     try:
         path.mkdir(parents=True, exist_ok=True)
         probe.write_text("")
+        list(path.iterdir())  # while the probe is there: on GCS an empty folder does not exist
         probe.unlink()
-        list(path.iterdir())
     except OSError as error:
-        reason = error.strerror or str(error)
-        raise WorkdirError(f"--workdir={workdir} cannot be created or written: {reason}") from error
+        raise WorkdirError(
+            f"--workdir={workdir} cannot be created or written: {storage.reason(error)}"
+        ) from error
 
 
 def started_phases(workdir: str) -> list[str]:
@@ -133,10 +138,8 @@ def save_config(config, workdir: str) -> None:
     """Writes the run's defining config (process 0; with a phase's first checkpoint)."""
     if jax.process_index() != 0:
         return
-    path = epath.Path(workdir) / CONFIG_FILE
-    temporary = path.parent / f"{CONFIG_FILE}.tmp"
-    temporary.write_text(json.dumps(json.loads(config.to_json_best_effort()), indent=2) + "\n")
-    temporary.replace(path)
+    text = json.dumps(json.loads(config.to_json_best_effort()), indent=2) + "\n"
+    storage.write_text(epath.Path(workdir) / CONFIG_FILE, text)
 
 
 def compare(saved: dict, new: dict, started: list[str]) -> tuple[list[str], list[str]]:

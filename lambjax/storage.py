@@ -1,0 +1,200 @@
+"""Local paths and gs:// URLs: the one path layer of lambjax.
+
+Every path lambjax reads or writes (workdir, data_dir, vocabulary, text globs, exports) goes
+through etils `epath` on its fsspec backend, which serves gs:// with gcsfs. Why that layer:
+Orbax and TFDS already do their directory work through epath, so one layer covers lambjax and
+them; but epath hands gs:// to TensorFlow's gfile whenever TensorFlow is installed (it is:
+clu's TensorBoard writer needs it), and TensorFlow's GCS client has its endpoints compiled in
+(`https://www.googleapis.com/storage/v1/`, no override; see `strings` of
+libtensorflow_framework.so), so it can be pointed at no emulator. gcsfs is a maintained GCS
+client that uses Google's default credentials and honours `STORAGE_EMULATOR_HOST`;
+`EPATH_USE_TF=false` (set below, before any gs:// access) makes epath use it.
+
+`STORAGE_EMULATOR_HOST=http://HOST:PORT`, the convention of Google's client libraries, is the
+one switch that points every gs:// access at a local emulator; lambjax maps it to what each
+library reads:
+- gcsfs (epath: lambjax, TFDS, Orbax's directory operations): `STORAGE_EMULATOR_HOST` itself,
+  and `GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT=false`: its bucket-type probe calls the Storage Control
+  gRPC API, which emulators do not serve (a 60 s timeout per bucket otherwise);
+- tensorstore (Orbax's arrays): `TENSORSTORE_GCS_HTTP_URL`, and
+  `GOOGLE_AUTH_TOKEN_FOR_TESTING` (tensorstore's documented test token; emulators ignore it);
+- google-cloud-cpp inside ArrayRecord (grain's reader of the datasets):
+  `CLOUD_STORAGE_EMULATOR_ENDPOINT`;
+- TensorFlow (TensorBoard event files, profiler traces) reads nothing: what it writes for a
+  gs:// workdir goes to a local folder that `Mirror` copies into the bucket.
+
+GCS has no atomic rename and no append. So nothing in lambjax relies on either: builds are
+complete when their last file (a marker) exists, Orbax marks finished checkpoints on GCS with
+`commit_success.txt`, and append-only logs are written locally and mirrored whole.
+"""
+
+import os
+import tempfile
+import time
+
+from etils import epath
+
+
+def configure_environment() -> None:
+    """Sets what the libraries above read (before their first gs:// access; lambjax calls it
+    on import, and again where STORAGE_EMULATOR_HOST is set later in a process)."""
+    os.environ.setdefault("EPATH_USE_TF", "false")
+    emulator = os.environ.get("STORAGE_EMULATOR_HOST")
+    if emulator:
+        os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
+        os.environ.setdefault("TENSORSTORE_GCS_HTTP_URL", emulator)
+        os.environ.setdefault("GOOGLE_AUTH_TOKEN_FOR_TESTING", "emulator")
+        os.environ.setdefault("CLOUD_STORAGE_EMULATOR_ENDPOINT", emulator)
+
+
+configure_environment()
+
+
+class StorageError(OSError):
+    """A path that cannot be used; the message is one line for the user."""
+
+
+def is_remote(path) -> bool:
+    return "://" in os.fspath(path)
+
+
+def resolve(path: str) -> str:
+    """An absolute local path (Orbax needs one), or a URL such as gs://... unchanged."""
+    return path if is_remote(path) else str(epath.Path(path).expanduser().resolve())
+
+
+def reason(error: BaseException) -> str:
+    """An OSError (or a client library's error) as one short line."""
+    text = getattr(error, "strerror", None) or str(error) or type(error).__name__
+    return text.strip().splitlines()[0]
+
+
+def check_reachable(path: str, flag: str) -> None:
+    """Raises StorageError unless a gs:// `path` can be reached: credentials, then its bucket.
+
+    Called before any data build or compilation, so that a typo in a bucket name or a VM
+    without a service account ends the run in seconds, not at its first checkpoint.
+    """
+    if not path.startswith("gs://"):
+        return
+    bucket = path[len("gs://") :].split("/", 1)[0]
+    if not bucket:
+        raise StorageError(f"{flag}={path} names no bucket; give gs://BUCKET/PATH")
+    if not os.environ.get("STORAGE_EMULATOR_HOST"):
+        import google.auth  # gcsfs's default credentials: the same lookup
+
+        try:
+            google.auth.default()
+        except Exception as error:  # noqa: BLE001 - DefaultCredentialsError and transport errors
+            raise StorageError(
+                f"{flag}={path}: no Google Cloud credentials ({reason(error)}); on a Cloud TPU "
+                "VM they come from its service account, elsewhere run `gcloud auth "
+                "application-default login` or set GOOGLE_APPLICATION_CREDENTIALS"
+            ) from error
+    try:
+        found = epath.Path(f"gs://{bucket}").exists()
+    except Exception as error:  # noqa: BLE001 - gcsfs raises OSError, HttpError, ValueError
+        message = f"{flag}={path}: bucket {bucket!r} cannot be read: {reason(error)}"
+        raise StorageError(message) from error
+    if not found:
+        raise StorageError(f"{flag}={path}: bucket {bucket!r} does not exist (or is not visible)")
+
+
+def write_text(path, text: str) -> None:
+    """Writes a file so that it is never seen half-written: on GCS an object upload is atomic
+    (the object appears whole when the upload ends); on local disk, through a temporary file
+    renamed over the target."""
+    path = epath.Path(path)
+    if is_remote(path):
+        path.write_text(text)
+        return
+    temporary = path.parent / f"{path.name}.tmp"
+    temporary.write_text(text)
+    temporary.replace(path)
+
+
+def copy_tree(source, destination) -> None:
+    """Copies the files under `source` to `destination` (either may be gs://)."""
+    source, destination = epath.Path(source), epath.Path(destination)
+    for path in files_under(source):
+        target = destination / path.relative_to(source)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        path.copy(target, overwrite=True)
+
+
+def files_under(folder: epath.Path) -> list[epath.Path]:
+    """Every file below `folder`, sorted (epath has no recursive glob on gs://)."""
+    files = []
+    for path in sorted(folder.iterdir()):
+        files.extend(files_under(path) if path.is_dir() else [path])
+    return files
+
+
+def local_copy(path: str, folder: str) -> str:
+    """`path` itself if local, else a copy of it in the local `folder` (for libraries that
+    open local files only: tokenizers, safetensors)."""
+    if not is_remote(path):
+        return path
+    target = epath.Path(folder) / epath.Path(path).name
+    epath.Path(path).copy(target, overwrite=True)
+    return os.fspath(target)
+
+
+def move_tree(source, destination) -> None:
+    """Moves the folder `source` to `destination`: a rename on local disk; on GCS, which has
+    no rename, a copy of every file, then the deletion of the source (an interruption leaves
+    the source whole)."""
+    source, destination = epath.Path(source), epath.Path(destination)
+    if not is_remote(source):
+        destination.parent.mkdir(parents=True, exist_ok=True)
+        source.rename(destination)
+        return
+    copy_tree(source, destination)
+    source.rmtree()
+
+
+class Mirror:
+    """A local folder whose files are copied into `remote` (gs://) by `sync`.
+
+    For writers that need a local file system or append to their files (TensorBoard's event
+    files, the profiler, metrics.jsonl): a GCS object cannot be appended to, so a changed file
+    is uploaded whole. Files that already exist in `remote` and should be continued (the
+    metrics.jsonl of a resumed run) are first fetched with `fetch`.
+    """
+
+    def __init__(self, remote: str, interval_s: float = 30.0):
+        self.remote = epath.Path(remote)
+        self.local = epath.Path(tempfile.mkdtemp(prefix="lambjax-mirror-"))
+        self.interval_s = interval_s
+        self._uploaded: dict[str, tuple[int, int]] = {}
+        self._last_sync = time.monotonic()
+
+    def fetch(self, name: str) -> None:
+        """Copies `remote/name` into the local folder, if it exists there."""
+        source = self.remote / name
+        if source.exists():
+            target = self.local / name
+            target.parent.mkdir(parents=True, exist_ok=True)
+            source.copy(target, overwrite=True)
+            self._uploaded[name] = _signature(target)
+
+    def sync(self, force: bool = True) -> None:
+        """Uploads the files that changed since the last sync (if `interval_s` has passed,
+        or always when `force`)."""
+        if not force and time.monotonic() - self._last_sync < self.interval_s:
+            return
+        self._last_sync = time.monotonic()
+        for path in files_under(self.local):
+            name = os.fspath(path.relative_to(self.local))
+            signature = _signature(path)
+            if self._uploaded.get(name) == signature:
+                continue
+            target = self.remote / name
+            target.parent.mkdir(parents=True, exist_ok=True)
+            path.copy(target, overwrite=True)
+            self._uploaded[name] = signature
+
+
+def _signature(path: epath.Path) -> tuple[int, int]:
+    stat = os.stat(path)
+    return stat.st_size, stat.st_mtime_ns
