@@ -130,13 +130,19 @@ def files_under(folder: epath.Path) -> list[epath.Path]:
     return files
 
 
-def local_copy(path: str, folder: str) -> str:
-    """`path` itself if local, else a copy of it in the local `folder` (for libraries that
-    open local files only: tokenizers, safetensors)."""
+def local_copy(path: str, folder: str | None = None) -> str:
+    """`path` itself if local, else a copy of it (a file or a folder) in the local `folder`
+    (default: a temporary folder of this process), for libraries that open local files only
+    (tokenizers, safetensors, transformers)."""
     if not is_remote(path):
         return path
-    target = epath.Path(folder) / epath.Path(path).name
-    epath.Path(path).copy(target, overwrite=True)
+    folder = folder or tempfile.mkdtemp(prefix="lambjax-copy-")
+    source = epath.Path(path)
+    target = epath.Path(folder) / source.name
+    if source.is_dir():
+        copy_tree(source, target)
+    else:
+        source.copy(target, overwrite=True)
     return os.fspath(target)
 
 

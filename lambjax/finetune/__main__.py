@@ -21,7 +21,7 @@ os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "0")
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from lambjax import cli, distributed, host_memory
+from lambjax import cli, distributed, host_memory, storage  # storage: before any gs:// access
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Fine-tuning config file.")
 _WORKDIR = flags.DEFINE_string("workdir", None, "Directory for checkpoints, metrics, results.")
@@ -52,7 +52,11 @@ def main(argv):
 
     try:
         loop.finetune(_CONFIG.value, _WORKDIR.value)
-    except (DataError, CheckpointMismatch) as error:  # FinetuneError is a DataError
+    except (
+        DataError,
+        CheckpointMismatch,
+        storage.StorageError,
+    ) as error:  # FinetuneError: DataError
         cli.fail("lambjax.finetune", str(error))
 
 

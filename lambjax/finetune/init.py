@@ -16,7 +16,9 @@ import json
 import os
 
 from absl import logging
+from etils import epath
 
+from lambjax import storage
 from lambjax.finetune.errors import FinetuneError
 from lambjax.models import bert
 
@@ -48,8 +50,6 @@ def load(init: str) -> Start:
 def _finished_phases(workdir: str) -> list[tuple[int, str, int, dict, object]]:
     """(rank in phase_order, phase, final step, meta, checkpoint path) of every phase whose
     final checkpoint exists."""
-    from etils import epath
-
     from lambjax.train import checkpointing
 
     root = epath.Path(workdir) / "checkpoints"
@@ -87,7 +87,7 @@ def from_workdir(workdir: str) -> Start:
     return Start(
         config,
         state["params"],
-        vocab if vocab and os.path.exists(vocab) else None,
+        storage.local_copy(vocab) if vocab and epath.Path(vocab).exists() else None,
         run_config.get("data", {}).get("lower_case"),
         f"phase {phase} (step {step}) of {workdir}",
     )
@@ -96,10 +96,11 @@ def from_workdir(workdir: str) -> Start:
 def from_hf(path: str) -> Start:
     from lambjax.models import hf
 
-    if not os.path.isfile(os.path.join(path, "config.json")):
+    if not epath.Path(path, "config.json").is_file():
         raise FinetuneError(
             f"config.init=hf:{path}: no config.json there; not a transformers checkpoint directory"
         )
+    path = storage.local_copy(path)  # transformers' files are read from local disk
     try:
         config, params = hf.from_transformers(path)
     except (FileNotFoundError, ValueError, KeyError) as e:

@@ -23,6 +23,7 @@ import dataclasses
 import functools
 import json
 import os
+import tempfile
 import time
 from typing import NamedTuple
 
@@ -31,8 +32,9 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from absl import logging
+from etils import epath
 
-from lambjax import distributed, sharding
+from lambjax import distributed, sharding, storage
 from lambjax.data import tokenization
 from lambjax.finetune import config as config_lib
 from lambjax.finetune import init as init_lib
@@ -128,9 +130,9 @@ def compile_steps(run: Run) -> Steps:
 
 def _vocabulary(config, start: init_lib.Start, workdir: str) -> str:
     if config.vocab:
-        if not os.path.isfile(config.vocab):
+        if not epath.Path(config.vocab).is_file():
             raise FinetuneError(f"config.vocab={config.vocab!r}: no such file")
-        return config.vocab
+        return storage.local_copy(config.vocab)
     if start.vocab_file:
         return start.vocab_file
     if start.params is not None:
@@ -138,12 +140,14 @@ def _vocabulary(config, start: init_lib.Start, workdir: str) -> str:
             f"{start.description} has no vocabulary (vocab.txt) any more; give its "
             "vocab.txt as --config.vocab"
         )
-    path = os.path.join(workdir, "vocab.txt")  # scratch: trained on the training texts
-    if jax.process_index() == 0 and not os.path.exists(path):
+    path = epath.Path(workdir) / "vocab.txt"  # scratch: trained on the training texts
+    if jax.process_index() == 0 and not path.exists():
         lower_case = True if config.lower_case is None else config.lower_case
-        tokenization.train_vocab(tasks.training_texts(config), config.vocab_size, lower_case, path)
+        local = os.path.join(tempfile.mkdtemp(prefix="lambjax-vocab-"), "vocab.txt")
+        tokenization.train_vocab(tasks.training_texts(config), config.vocab_size, lower_case, local)
+        storage.write_text(path, epath.Path(local).read_text())
     distributed.barrier("finetune-vocab")
-    return path
+    return storage.local_copy(os.fspath(path))
 
 
 def _model_config(config, start: init_lib.Start, vocab_size: int) -> bert.BertConfig:
@@ -273,16 +277,14 @@ def evaluate(run: Run, steps: Steps, params, batch_size: int) -> tuple[dict, dic
 
 def _write(workdir: str, name: str, text: str) -> None:
     if jax.process_index() == 0:
-        path = os.path.join(workdir, name)
-        with open(path + ".tmp", "w", encoding="utf-8") as f:
-            f.write(text)
-        os.replace(path + ".tmp", path)  # a reader never sees half a file
+        storage.write_text(epath.Path(workdir) / name, text)  # never seen half-written
 
 
 def finetune(config, workdir: str) -> dict:
     """Fine-tunes and evaluates; returns the final eval metrics (also in results.json)."""
-    workdir = os.path.abspath(workdir)
-    os.makedirs(workdir, exist_ok=True)
+    workdir = storage.resolve(workdir)
+    storage.check_reachable(workdir, "--workdir")
+    epath.Path(workdir).mkdir(parents=True, exist_ok=True)
     run = build_run(config, workdir)
     logging.info(
         "Fine-tuning %s from %s: %d training features, %d steps of %d; lower_case=%s",
@@ -411,14 +413,18 @@ def _export(run: Run, params, workdir: str) -> None:
         params = multihost_utils.process_allgather(params, tiled=True)
     params = jax.device_get(params)
     if jax.process_index() == 0:
+        out = os.path.join(workdir, "transformers")
+        local = tempfile.mkdtemp(prefix="lambjax-export-") if storage.is_remote(out) else out
         hf.to_transformers_task(
             run.model_config,
             params,
-            os.path.join(workdir, "transformers"),
+            local,
             labels=run.task.labels,
             vocab_file=run.vocab_file,
             lower_case=run.lower_case,
         )
+        if local != out:
+            storage.copy_tree(local, out)
 
 
 def _summary(task: str, metrics: dict, workdir: str) -> str:

@@ -15,6 +15,7 @@ import jax
 import numpy as np
 import optax
 import pytest
+from etils import epath
 
 from lambjax.finetune import glue_metrics, squad_metrics
 from lambjax.models import bert
@@ -61,8 +62,7 @@ def finetune(config: str, workdir, train, dev, *flags) -> list[str]:
 
 
 def read(workdir, name):
-    with open(os.path.join(workdir, name), encoding="utf-8") as f:
-        return json.load(f)
+    return json.loads(epath.Path(workdir, name).read_text())
 
 
 def test_squad_v1_learns_then_v2_from_its_transformers_export(tmp_path, data):
@@ -154,8 +154,7 @@ def pretraining_workdir(root, vocab_file: str) -> str:
                                            learning_rate=1e-3)
            for name, steps in (("phase1", 4), ("phase2", 3))},
     )  # fmt: skip
-    with open(vocab_file, encoding="utf-8") as f:
-        vocab_size = len(f.read().splitlines())
+    vocab_size = len(epath.Path(vocab_file).read_text().splitlines())
     model = bert.BertConfig.preset("tiny", vocab_size=vocab_size, dtype="float32")
     init = jax.jit(bert.init_params, static_argnums=0)
     for phase, step, seed in (("phase1", 4, 0), ("phase2", 1, 1)):
@@ -203,3 +202,26 @@ def test_from_a_pretraining_workdir_and_bad_input(tmp_path, data):
         assert result.returncode == 2, result.stderr[-2000:]
         last = result.stderr.strip().splitlines()[-1]
         assert last.startswith("lambjax.finetune: error: ") and expected in last, last
+
+
+def test_every_path_in_a_bucket(tmp_path, data, gcs_bucket):
+    """The pretraining workdir, its vocabulary, the data files and the fine-tuning workdir
+    (results and transformers export) all on gs:// (a local GCS emulator)."""
+    from lambjax import storage
+
+    root = epath.Path(f"{gcs_bucket}/finetune")
+    words = sorted({w.lower() for w in generate.corpus_words()})[:900]
+    vocab = root / "vocab.txt"
+    vocab.write_text("\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *words]) + "\n")
+    pretrained = pretraining_workdir(root / "pretrain", os.fspath(vocab))
+    for name in ("sst2_train", "sst2_dev"):
+        (root / name).write_bytes(epath.Path(data[name]).read_bytes())
+    workdir = root / "run"
+    helpers.run(
+        finetune("configs/finetune/glue.py:sst2", workdir, root / "sst2_train", root / "sst2_dev",
+                 f"--config.init=workdir:{pretrained}", "--config.num_steps=2"),
+        devices=1,
+    )  # fmt: skip
+    assert read(workdir, "results.json")["init"] == f"phase phase1 (step 4) of {pretrained}"
+    exported = storage.local_copy(os.fspath(workdir / "transformers"), str(tmp_path))
+    assert {"config.json", "model.safetensors", "vocab.txt"} <= set(os.listdir(exported))
