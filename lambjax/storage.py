@@ -91,13 +91,15 @@ def check_reachable(path: str, flag: str) -> None:
                 "VM they come from its service account, elsewhere run `gcloud auth "
                 "application-default login` or set GOOGLE_APPLICATION_CREDENTIALS"
             ) from error
-    try:
-        found = epath.Path(f"gs://{bucket}").exists()
+    try:  # a listing (storage.objects.list), the permission a run needs anyway
+        next(iter(epath.Path(f"gs://{bucket}").iterdir()), None)
+    except FileNotFoundError as error:
+        raise StorageError(
+            f"{flag}={path}: bucket {bucket!r} does not exist (or is not visible)"
+        ) from error
     except Exception as error:  # noqa: BLE001 - gcsfs raises OSError, HttpError, ValueError
-        message = f"{flag}={path}: bucket {bucket!r} cannot be read: {reason(error)}"
+        message = f"{flag}={path}: bucket {bucket!r} cannot be listed: {reason(error)}"
         raise StorageError(message) from error
-    if not found:
-        raise StorageError(f"{flag}={path}: bucket {bucket!r} does not exist (or is not visible)")
 
 
 def write_text(path, text: str) -> None:
