@@ -39,9 +39,10 @@ def reference(data_dir, tmp_path_factory):
     return workdir, losses(workdir)
 
 
-def test_two_processes_train_like_one(data_dir, reference, tmp_path):
+def test_two_processes_train_like_one(data_dir, reference, gcs_bucket):
+    """... and write their checkpoint into a bucket (a local GCS emulator), as on a pod."""
     one, expected = reference
-    two = str(tmp_path / "two")
+    two = f"{gcs_bucket}/two-processes"
     result = helpers.run(pod(two, data_dir, 2, 2, *OVERRIDES), 2)
     assert "[p0]" in result.stdout and "[p1]" in result.stdout
     got = losses(two)

@@ -1,8 +1,9 @@
 """Runs whose workdir and data_dir are gs:// URLs, against a local GCS emulator
 (tests/gcs_emulator.py): both phases' checkpoints, TensorBoard events and metrics.jsonl land
 in the bucket; a kill -9 and a rerun give bitwise the losses of an uninterrupted run; a
-corrupt checkpoint is moved aside in the bucket; a 2-process pod writes a checkpoint that one
-process exports to transformers; bad storage ends the start with one line."""
+corrupt checkpoint is moved aside in the bucket; the export reads from and writes to the
+bucket; bad storage ends the start with one line. (A 2-process pod's checkpoint in the bucket,
+restored by one process: tests/launch/test_local_pod.py.)"""
 
 import os
 import signal
@@ -91,41 +92,23 @@ def test_corrupt_latest_checkpoint_is_moved_aside_in_the_bucket(
     assert logged == {step: expected[step] for step in logged}
 
 
-def test_a_pod_checkpoint_in_the_bucket_exports_from_one_process(
-    gcs_bucket, gcs_data_dir, tmp_path
-):
+def test_export_from_the_bucket_to_the_bucket(reference, gcs_bucket, tmp_path):
+    """(A 2-process pod writing a checkpoint into the bucket that 1 process restores is in
+    tests/launch/test_local_pod.py.)"""
     import numpy as np
     import transformers
 
     from lambjax import storage
     from lambjax.train import checkpointing
 
-    workdir, out = f"{gcs_bucket}/pod", f"{gcs_bucket}/pod-export"
-    steps = 4
-    pod = [
-        sys.executable,
-        "launch/local.py",
-        "--processes=2",
-        "--devices-per-process=2",
-        "--",
-        *demo_command(
-            workdir,
-            gcs_data_dir,
-            "--config.phase_order=('phase1',)",
-            f"--config.phases.phase1.num_steps={steps}",
-        )[3:],
-    ]
-    result = helpers.run(pod, 2)
-    assert "[p1]" in result.stdout
-    assert f"checkpoints/phase1/{steps}/commit_success.txt" in files(workdir)
-
-    export = [sys.executable, "-m", "lambjax.export", f"--workdir={workdir}", f"--out={out}"]
+    out = f"{gcs_bucket}/reference-export"
+    export = [sys.executable, "-m", "lambjax.export", f"--workdir={reference}", f"--out={out}"]
     result = helpers.run(export, 1)
     assert "with its tokenizer" in result.stdout
     assert {"config.json", "model.safetensors", "vocab.txt", "tokenizer.json"} <= files(out)
-    storage.copy_tree(out, tmp_path / "exported")
-    model = transformers.BertForPreTraining.from_pretrained(tmp_path / "exported")
-    _, params = checkpointing.latest_params(workdir)
+    exported = storage.local_copy(out, str(tmp_path))
+    model = transformers.BertForPreTraining.from_pretrained(exported)
+    _, params = checkpointing.latest_params(reference)
     embedding = model.bert.embeddings.word_embeddings.weight.detach().numpy()
     np.testing.assert_array_equal(embedding, np.asarray(params["embeddings"]["word"]["embedding"]))
 
