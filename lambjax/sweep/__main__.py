@@ -22,7 +22,7 @@ import sys
 from absl import app, flags
 from ml_collections import config_flags
 
-from lambjax import cli
+from lambjax import cli, storage  # storage: before any gs:// access
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file that defines get_sweep().")
 _WORKDIR = flags.DEFINE_string("workdir", None, "The sweep's directory: one workdir per trial.")
@@ -60,6 +60,10 @@ def main(argv):
     except (spec.SweepError, ValueError) as error:
         cli.fail(PROGRAM, f"--config={config_spec}: {error}")
     base_flags = cli.config_overrides(sys.argv[1:])
+    try:
+        storage.check_reachable(_WORKDIR.value, "--workdir")
+    except storage.StorageError as error:
+        cli.fail(PROGRAM, str(error))
     sweep = runner.Sweep(_CONFIG.value, config_spec, _WORKDIR.value, trials, base_flags)
     if _TRIAL.value is not None:
         trial = pick(trials, _TRIAL.value)

@@ -29,7 +29,7 @@ import time
 
 from etils import epath
 
-from lambjax import distributed
+from lambjax import distributed, storage
 from lambjax.sweep.spec import SweepError, Trial
 
 SWEEP_FILE = "sweep.json"
@@ -59,6 +59,14 @@ def final_checkpoint(config, sweep_dir: str, trial: Trial) -> epath.Path:
     return epath.Path(sweep_dir) / trial.name / "checkpoints" / last / str(steps)
 
 
+def is_complete(checkpoint: epath.Path) -> bool:
+    """Orbax renames a finished checkpoint into place on local disk; on GCS, which has no
+    rename, it writes in place and marks the end with commit_success.txt."""
+    if storage.is_remote(checkpoint):
+        return (checkpoint / "commit_success.txt").exists()
+    return checkpoint.exists()
+
+
 class Sweep:
     """The trials of one sweep directory and their bookkeeping in sweep.json."""
 
@@ -67,7 +75,7 @@ class Sweep:
     ):
         """`config` has the sweep's own `base_flags` (`--config.F=V`) applied already."""
         self.config, self.config_spec, self.base_flags = config, config_spec, list(base_flags)
-        self.dir, self.trials = os.path.abspath(sweep_dir), trials
+        self.dir, self.trials = storage.resolve(sweep_dir), trials
         self.records = {
             t.name: {"overrides": t.overrides, "status": "pending", "wall_time_s": 0.0}
             for t in trials
@@ -92,15 +100,13 @@ class Sweep:
         content = {"config": self.config_spec, "flags": self.base_flags, "trials": self.records}
         directory = epath.Path(self.dir)
         directory.mkdir(parents=True, exist_ok=True)
-        temporary = directory / f"{SWEEP_FILE}.tmp"
-        temporary.write_text(json.dumps(content, indent=2))
-        temporary.replace(directory / SWEEP_FILE)
+        storage.write_text(directory / SWEEP_FILE, json.dumps(content, indent=2))
 
     def workdir(self, trial: Trial) -> str:
         return f"{self.dir}/{trial.name}"
 
     def finished(self, trial: Trial) -> bool:
-        return final_checkpoint(self.config, self.dir, trial).exists()
+        return is_complete(final_checkpoint(self.config, self.dir, trial))
 
     def pending(self) -> list[Trial]:
         return [t for t in self.trials if self.records[t.name]["status"] != "finished"]
@@ -127,6 +133,8 @@ class Sweep:
     def log_path(self, trial: Trial, launcher: str) -> str:
         if launcher == "tpu":  # the trial's workdir is in a bucket; the supervisor runs here
             return os.path.join("tpu-logs", os.path.basename(self.dir), f"{trial.name}.log")
+        if storage.is_remote(self.dir):  # a log is appended to, which GCS objects are not
+            return os.path.join("sweep-logs", os.path.basename(self.dir), f"{trial.name}.log")
         return os.path.join(self.workdir(trial), "log.txt")
 
     def run(self, parallel: int, launcher: str = "local", env: dict | None = None) -> int:

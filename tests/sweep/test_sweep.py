@@ -285,3 +285,30 @@ def test_parallel_trials_share_out_the_gpus_and_not_a_tpu(tmp_path, monkeypatch)
         runner.slot_environments(2, str(tmp_path / "tpu"))
     assert runner.slot_environments(1, str(tmp_path / "tpu")) == [{}]
     assert runner.slot_environments(2, str(tmp_path / "cpu")) == [{}, {}]
+
+
+def test_a_sweep_in_a_bucket_keeps_its_state_there(gcs_bucket, data_dir):
+    """sweep.json in the bucket (a local GCS emulator); a trial counts as finished only once
+    its final checkpoint is committed (GCS has no rename); logs stay on local disk."""
+    from etils import epath
+
+    from lambjax.sweep import runner, spec
+    from tests.sweep import three_trials
+
+    config = three_trials.get_config()
+    trials = spec.trials(config, spec.product({"seed": [0, 1]}))
+    directory = f"{gcs_bucket}/sweep"
+    sweep = runner.Sweep(config, CONFIG, directory, trials)
+    sweep.write()
+    assert json.loads((epath.Path(directory) / "sweep.json").read_text())["trials"].keys() == {
+        t.name for t in trials
+    }
+    assert f"--workdir={directory}/{trials[0].name}" in sweep.command(trials[0])
+    assert sweep.log_path(trials[0], "local") == os.path.join(
+        "sweep-logs", "sweep", f"{trials[0].name}.log"
+    )
+    final = runner.final_checkpoint(config, directory, trials[0])
+    (final / "state" / "half-written").write_text("")
+    assert not sweep.finished(trials[0])
+    (final / "commit_success.txt").write_text("")
+    assert sweep.finished(trials[0])
