@@ -52,11 +52,7 @@ def main(argv):
 
     try:
         loop.finetune(_CONFIG.value, _WORKDIR.value)
-    except (
-        DataError,
-        CheckpointMismatch,
-        storage.StorageError,
-    ) as error:  # FinetuneError: DataError
+    except (DataError, CheckpointMismatch, storage.StorageError) as error:  # incl. FinetuneError
         cli.fail("lambjax.finetune", str(error))
 
 
