@@ -29,6 +29,7 @@ complete when their last file (a marker) exists, Orbax marks finished checkpoint
 """
 
 import os
+import shutil
 import tempfile
 import time
 
@@ -201,6 +202,10 @@ class Mirror:
             target.parent.mkdir(parents=True, exist_ok=True)
             path.copy(target, overwrite=True)
             self._uploaded[name] = signature
+
+    def remove_local(self) -> None:
+        """Deletes the local folder (after a last `sync`)."""
+        shutil.rmtree(self.local, ignore_errors=True)
 
 
 def _signature(path: epath.Path) -> tuple[int, int]:

@@ -80,6 +80,7 @@ class MirroredWriter(metric_writers.MultiWriter):
     def close(self):
         super().close()
         self.mirror.sync()
+        self.mirror.remove_local()
 
 
 def create_writer(workdir: str, sync_interval_s: float = 30.0) -> metric_writers.MetricWriter:
