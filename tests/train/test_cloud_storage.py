@@ -121,9 +121,15 @@ def test_bad_storage_ends_the_start_with_one_line(gcs_bucket, tmp_path):
         "lambjax: error: --workdir=gs://no-such-bucket/run: bucket 'no-such-bucket' does not "
         "exist (or is not visible)"
     )
-    data = run_demo(f"{gcs_bucket}/bad-data", "gs://no-data-bucket/d", 1, check=False)
-    assert data.returncode == 2
-    assert "--config.data.data_dir=gs://no-data-bucket/d: bucket" in data.stderr.splitlines()[-1]
+    from configs import default
+    from lambjax import storage
+    from lambjax.train import trainer
+
+    config = default.get_config("runlocal")
+    config.data.data_dir = "gs://no-data-bucket/d"
+    ((flag, path),) = [p for p in trainer.data_paths(config.data) if p[1].startswith("gs://")]
+    with pytest.raises(storage.StorageError, match="^--config.data.data_dir=gs://no-data-bucket"):
+        storage.check_reachable(path, flag)
 
     env = helpers.environment(1)  # no emulator, no credentials anywhere Google's libraries look
     for name in ("STORAGE_EMULATOR_HOST", "GOOGLE_APPLICATION_CREDENTIALS"):
