@@ -24,6 +24,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
 from lambjax.models import matmul
+from lambjax.precision import chunked_dot, parse_accumulation
 
 PRESETS = {
     "tiny": dict(num_layers=2, hidden_size=128, num_heads=2, intermediate_size=512),
@@ -51,6 +52,11 @@ class BertConfig:
     param_dtype: str = "float32"
     scan_layers: bool = True
     remat: bool = False  # recompute each layer's activations in the backward pass
+    # How the encoder's matmuls accumulate: "float32" (the platform's dot), or an emulation
+    # of low-precision accumulation, "float16" (naive) or "float16:chunk=64" (chunk-based),
+    # likewise bfloat16 (lambjax.precision). The embeddings and the heads keep the platform's
+    # dot, as Wang et al. keep the first and last layers in higher precision.
+    matmul_accumulation: str = "float32"
 
     def __post_init__(self):
         for name in (
@@ -80,6 +86,10 @@ class BertConfig:
                 raise ValueError(
                     f"BertConfig.{name}={getattr(self, name)!r}; valid: float32, bfloat16, float16"
                 )
+        try:
+            parse_accumulation(self.matmul_accumulation)
+        except ValueError as e:
+            raise ValueError(f"BertConfig.{e}") from None
 
     @classmethod
     def preset(cls, name: str, **overrides) -> "BertConfig":
@@ -96,7 +106,7 @@ def _init(config: BertConfig):
     return nn.initializers.truncated_normal(config.initializer_range)
 
 
-def _dense(config, features, names, name, axis=-1):
+def _dense(config, features, names, name, axis=-1, dot_general=matmul.dense_dot_general):
     return nn.DenseGeneral(
         features,
         axis=axis,
@@ -106,9 +116,54 @@ def _dense(config, features, names, name, axis=-1):
         bias_init=nn.with_logical_partitioning(
             nn.initializers.zeros, names[-(len(features) if isinstance(features, tuple) else 1) :]
         ),
-        dot_general=matmul.dense_dot_general,
+        dot_general=dot_general,
         name=name,
     )
+
+
+def _accumulation(config):
+    """chunked_dot's keyword arguments for the encoder's matmuls, or None: platform dots."""
+    parsed = parse_accumulation(config.matmul_accumulation)
+    if parsed is None:
+        return None
+    dtype_name, chunk_size = parsed
+    return {"accumulation_dtype": dtype_name, "chunk_size": chunk_size}
+
+
+def _encoder_dot_general(config):
+    """The Dense layers' dot_general inside the encoder: `matmul.dense_dot_general`, or
+    `chunked_dot` over the flattened Dense form where the config emulates accumulation."""
+    accumulation = _accumulation(config)
+    if accumulation is None:
+        return matmul.dense_dot_general
+
+    def emulated(lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None):
+        (lhs_contracting, _), _ = dimension_numbers
+        count = len(lhs_contracting)
+        leading, features = lhs.shape[: lhs.ndim - count], rhs.shape[count:]
+        # The Dense form: the inputs' trailing axes against the kernel's leading ones.
+        out = chunked_dot(lhs.reshape(leading + (-1,)), rhs.reshape(-1, *features), **accumulation)
+        return out.astype(lhs.dtype)
+
+    return emulated
+
+
+def _attention_einsum(config, spec, x, y):
+    """The two attention einsums; with emulated accumulation, `chunked_dot` per batch row
+    and head (scores q k^T contract the head dimension, outputs contract the keys)."""
+    accumulation = _accumulation(config)
+    if accumulation is None:
+        return jnp.einsum(spec, x, y)
+
+    def dot(a, b):
+        return chunked_dot(a, b, **accumulation).astype(x.dtype)
+
+    if spec == "bqhd,bkhd->bhqk":
+        per_head = jax.vmap(lambda q, k: dot(q, k.T), in_axes=(1, 1))
+        return jax.vmap(per_head)(x, y)
+    assert spec == "bhqk,bkhd->bqhd", spec
+    per_head = jax.vmap(dot, in_axes=(0, 1), out_axes=1)
+    return jax.vmap(per_head)(x, y)
 
 
 def _layer_norm(config, name):
@@ -159,15 +214,23 @@ class Attention(nn.Module):
     def __call__(self, x, attention_bias, deterministic: bool):
         c = self.config
         heads = (c.num_heads, c.head_dim)
-        q = _dense(c, heads, ("embed", "heads", "kv"), "query")(x)
-        k = _dense(c, heads, ("embed", "heads", "kv"), "key")(x)
-        v = _dense(c, heads, ("embed", "heads", "kv"), "value")(x)
-        logits = jnp.einsum("bqhd,bkhd->bhqk", q, k).astype(jnp.float32)
+        dot_general = _encoder_dot_general(c)
+        q = _dense(c, heads, ("embed", "heads", "kv"), "query", dot_general=dot_general)(x)
+        k = _dense(c, heads, ("embed", "heads", "kv"), "key", dot_general=dot_general)(x)
+        v = _dense(c, heads, ("embed", "heads", "kv"), "value", dot_general=dot_general)(x)
+        logits = _attention_einsum(c, "bqhd,bkhd->bhqk", q, k).astype(jnp.float32)
         logits = logits / jnp.sqrt(jnp.float32(c.head_dim)) + attention_bias
         weights = jax.nn.softmax(logits, axis=-1)
         weights = nn.Dropout(c.attention_dropout)(weights, deterministic=deterministic)
-        out = jnp.einsum("bhqk,bkhd->bqhd", weights.astype(v.dtype), v)
-        out = _dense(c, c.hidden_size, ("heads", "kv", "embed"), "output", axis=(-2, -1))(out)
+        out = _attention_einsum(c, "bhqk,bkhd->bqhd", weights.astype(v.dtype), v)
+        out = _dense(
+            c,
+            c.hidden_size,
+            ("heads", "kv", "embed"),
+            "output",
+            axis=(-2, -1),
+            dot_general=dot_general,
+        )(out)
         return nn.Dropout(c.hidden_dropout)(out, deterministic=deterministic)
 
 
@@ -177,9 +240,12 @@ class Mlp(nn.Module):
     @nn.compact
     def __call__(self, x, deterministic: bool):
         c = self.config
-        x = _dense(c, c.intermediate_size, ("embed", "mlp"), "intermediate")(x)
+        dot_general = _encoder_dot_general(c)
+        x = _dense(
+            c, c.intermediate_size, ("embed", "mlp"), "intermediate", dot_general=dot_general
+        )(x)
         x = nn.gelu(x, approximate=False)
-        x = _dense(c, c.hidden_size, ("mlp", "embed"), "output")(x)
+        x = _dense(c, c.hidden_size, ("mlp", "embed"), "output", dot_general=dot_general)(x)
         return nn.Dropout(c.hidden_dropout)(x, deterministic=deterministic)
 
 
