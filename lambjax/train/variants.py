@@ -8,6 +8,8 @@ config has several, and any of the variants below (`runlocal` is applied first):
   --config=configs/bert_lamb.py:large,mslt            + multi-stage layerwise training
   --config=configs/bert_lamb.py:base,runlocal         shrunk to run on a CPU in minutes
   --config=configs/bert_lamb.py:large,pld,runlocal    both
+  --config=configs/bert_lamb.py:base,chunked_accumulation,runlocal
+                                                      float16 chunk-64 accumulation (emulated)
 """
 
 import copy
@@ -103,7 +105,21 @@ def multi_stage(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     return with_phases(config, **phases)
 
 
-VARIANTS = {"runlocal": runlocal, "pld": layer_drop, "mslt": multi_stage}
+def chunked_accumulation(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
+    """The encoder's matmuls accumulated in float16 in chunks of 64, Wang et al.'s chunk
+    length (NeurIPS 2018, arXiv 1812.08011), emulated (lambjax.precision): a numerics study,
+    many times slower than the platform's dot. `--config.model.overrides.matmul_accumulation`
+    picks another format or chunk ('float16' alone: naive accumulation)."""
+    config.model.overrides.matmul_accumulation = "float16:chunk=64"
+    return config
+
+
+VARIANTS = {
+    "runlocal": runlocal,
+    "pld": layer_drop,
+    "mslt": multi_stage,
+    "chunked_accumulation": chunked_accumulation,
+}
 
 
 def parse_arg(arg: str | None, sizes: tuple[str, ...] = ()) -> tuple[str | None, list[str]]:
