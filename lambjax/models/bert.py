@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
-from lambjax.models import matmul
+from lambjax.models import matmul, standardization
 from lambjax.precision import chunked_dot, parse_accumulation
 
 PRESETS = {
@@ -47,6 +47,10 @@ class BertConfig:
     attention_dropout: float = 0.1
     layer_norm: str = "post"  # "post" (original BERT) or "pre" (PreLN, as in PLD)
     layer_norm_eps: float = 1e-12
+    # "layer_norm", or "none": the embeddings' and the encoder's LayerNorms keep only their
+    # scale and bias (lambjax.models.standardization), for training with the
+    # standardization loss (Collins et al. 2019) in their place.
+    normalization: str = "layer_norm"
     initializer_range: float = 0.02
     dtype: str = "bfloat16"  # compute
     param_dtype: str = "float32"
@@ -78,6 +82,10 @@ class BertConfig:
             )
         if self.layer_norm not in ("post", "pre"):
             raise ValueError(f"BertConfig.layer_norm={self.layer_norm!r}; valid: 'post', 'pre'")
+        if self.normalization not in ("layer_norm", "none"):
+            raise ValueError(
+                f"BertConfig.normalization={self.normalization!r}; valid: 'layer_norm', 'none'"
+            )
         for name in ("hidden_dropout", "attention_dropout"):
             if not 0 <= getattr(self, name) < 1:
                 raise ValueError(f"BertConfig.{name}={getattr(self, name)} must lie in [0, 1)")
@@ -177,11 +185,26 @@ def _layer_norm(config, name):
     )
 
 
+def _encoder_norm(config, name):
+    """A LayerNorm of the embeddings or the encoder, or its scale and bias alone."""
+    if config.normalization == "none":
+        return standardization.AffineNorm(
+            config.hidden_size, config.dtype, config.param_dtype, name=name
+        )
+    return _layer_norm(config, name)
+
+
+def _normalize(norm, x, token_mask):
+    """`norm(x)`; given a token mask (normalization 'none', in training), an AffineNorm
+    also sows its input's standardization loss."""
+    return norm(x) if token_mask is None else norm(x, token_mask)
+
+
 class Embeddings(nn.Module):
     config: BertConfig
 
     @nn.compact
-    def __call__(self, input_ids, segment_ids, deterministic: bool):
+    def __call__(self, input_ids, segment_ids, deterministic: bool, token_mask=None):
         c = self.config
 
         def embed(num, names, name):
@@ -203,7 +226,7 @@ class Embeddings(nn.Module):
             + embed(c.max_position_embeddings, ("position", "embed"), "position")(positions)
             + embed(c.type_vocab_size, ("token_type", "embed"), "token_type")(segment_ids)
         )
-        h = _layer_norm(c, "layer_norm")(h)
+        h = _normalize(_encoder_norm(c, "layer_norm"), h, token_mask)
         return nn.Dropout(c.hidden_dropout)(h, deterministic=deterministic)
 
 
@@ -255,12 +278,16 @@ class Layer(nn.Module):
     config: BertConfig
 
     @nn.compact
-    def __call__(self, h, attention_bias, scale, deterministic: bool):
+    def __call__(self, h, attention_bias, scale, deterministic: bool, token_mask=None):
         c = self.config
         attention = Attention(c, name="attention")
         mlp = Mlp(c, name="mlp")
-        attention_norm = _layer_norm(c, "attention_layer_norm")
-        mlp_norm = _layer_norm(c, "mlp_layer_norm")
+        attention_norm = functools.partial(
+            _normalize, _encoder_norm(c, "attention_layer_norm"), token_mask=token_mask
+        )
+        mlp_norm = functools.partial(
+            _normalize, _encoder_norm(c, "mlp_layer_norm"), token_mask=token_mask
+        )
         if c.layer_norm == "pre":  # normalise each sub-layer's input, never the residual
             h = h + scale * attention(attention_norm(h), attention_bias, deterministic)
             return h + scale * mlp(mlp_norm(h), deterministic)
@@ -300,8 +327,8 @@ class FinalNorm(nn.Module):
     config: BertConfig
 
     @nn.compact
-    def __call__(self, h):
-        return _layer_norm(self.config, "layer_norm")(h)
+    def __call__(self, h, token_mask=None):
+        return _normalize(_encoder_norm(self.config, "layer_norm"), h, token_mask)
 
 
 # ----------------------------------------------------------------------------------------
@@ -365,8 +392,10 @@ def _attention_bias(input_mask):
     return jnp.where(input_mask[:, None, None, :] > 0, 0.0, -1e9).astype(jnp.float32)
 
 
-def _run_layers(config, layers, h, attention_bias, *, rng, keep, scale, first_index):
-    """Runs a stack of layers (scan or loop); layer i uses rng fold_in(rng, first_index+i)."""
+def _run_layers(config, layers, h, attention_bias, *, rng, keep, scale, first_index, token_mask):
+    """Runs a stack of layers (scan or loop); layer i uses rng fold_in(rng, first_index+i).
+    Returns the hidden states and the layers' summed standardization losses (0 without a
+    token mask)."""
     deterministic = rng is None
     count = jax.tree.leaves(layers)[0].shape[0]
     indices = jnp.arange(first_index, first_index + count)
@@ -379,31 +408,39 @@ def _run_layers(config, layers, h, attention_bias, *, rng, keep, scale, first_in
         rngs = {} if deterministic else {"dropout": jax.random.fold_in(rng, index)}
 
         def run(h):
-            return Layer(config).apply(
+            out, variables = Layer(config).apply(
                 {"params": layer_params},
                 h,
                 attention_bias,
                 scale_layer.astype(h.dtype),
                 deterministic,
+                token_mask,
                 rngs=rngs,
+                mutable=["losses"],
             )
+            return out, standardization.sown_total(variables)
+
+        def skip(h):
+            return h, jnp.zeros((), jnp.float32)
 
         if skip_dropped:
-            return jax.lax.cond(keep_layer, run, lambda h: h, h), None
-        return run(h), None
+            return jax.lax.cond(keep_layer, run, skip, h)
+        return run(h)
 
     if config.remat:
         apply_layer = jax.checkpoint(apply_layer, prevent_cse=not config.scan_layers)
     xs = (layers, indices, keep, scale)
     if config.scan_layers:
-        h, _ = jax.lax.scan(apply_layer, h, xs)
-        return h
+        h, losses = jax.lax.scan(apply_layer, h, xs)
+        return h, jnp.sum(losses)
+    total = jnp.zeros((), jnp.float32)
     for i in range(count):
-        h, _ = apply_layer(h, jax.tree.map(lambda x, i=i: x[i], xs))
-    return h
+        h, loss = apply_layer(h, jax.tree.map(lambda x, i=i: x[i], xs))
+        total = total + loss
+    return h, total
 
 
-def encoder_outputs(
+def encoder_outputs_and_standardization_loss(
     config: BertConfig,
     params: dict,
     input_ids,
@@ -414,15 +451,26 @@ def encoder_outputs(
     layer_keep=None,
     layer_scale=None,
     num_frozen_layers: int = 0,
+    standardization_loss: bool = False,
 ):
-    """Last hidden states [B, S, H] (after PreLN's final LayerNorm)."""
+    """(Last hidden states [B, S, H] (after PreLN's final LayerNorm), the summed
+    standardization loss of every AffineNorm's input over the unpadded tokens; 0 unless
+    `standardization_loss` and the model has normalization='none')."""
     deterministic = dropout_rng is None
     if not deterministic:
         embeddings_rng, dropout_rng = jax.random.split(dropout_rng)
     rngs = {} if deterministic else {"dropout": embeddings_rng}
-    h = Embeddings(config).apply(
-        {"params": params["embeddings"]}, input_ids, segment_ids, deterministic, rngs=rngs
+    token_mask = input_mask if standardization_loss and config.normalization == "none" else None
+    h, variables = Embeddings(config).apply(
+        {"params": params["embeddings"]},
+        input_ids,
+        segment_ids,
+        deterministic,
+        token_mask,
+        rngs=rngs,
+        mutable=["losses"],
     )
+    total = standardization.sown_total(variables)
     bias = _attention_bias(input_mask)
     layers = params["encoder"]["layers"]
     n = num_frozen_layers
@@ -434,7 +482,7 @@ def encoder_outputs(
 
     if n:
         frozen = jax.tree.map(lambda x: jax.lax.stop_gradient(x[:n]), layers)
-        h = _run_layers(
+        h, loss = _run_layers(
             config,
             frozen,
             jax.lax.stop_gradient(h),
@@ -443,11 +491,12 @@ def encoder_outputs(
             keep=part(layer_keep, 0, n),
             scale=part(layer_scale, 0, n),
             first_index=0,
+            token_mask=token_mask,
         )
-        h = jax.lax.stop_gradient(h)
+        h, total = jax.lax.stop_gradient(h), total + loss
     if n < config.num_layers:
         top = jax.tree.map(lambda x: x[n:], layers)
-        h = _run_layers(
+        h, loss = _run_layers(
             config,
             top,
             h,
@@ -456,10 +505,23 @@ def encoder_outputs(
             keep=part(layer_keep, n, None),
             scale=part(layer_scale, n, None),
             first_index=n,
+            token_mask=token_mask,
         )
+        total = total + loss
     if config.layer_norm == "pre":
-        h = FinalNorm(config).apply({"params": params["encoder"]["final_layer_norm"]}, h)
-    return h
+        h, variables = FinalNorm(config).apply(
+            {"params": params["encoder"]["final_layer_norm"]}, h, token_mask, mutable=["losses"]
+        )
+        total = total + standardization.sown_total(variables)
+    return h, total
+
+
+def encoder_outputs(config: BertConfig, params: dict, input_ids, segment_ids, input_mask, **kwargs):
+    """Last hidden states [B, S, H] (after PreLN's final LayerNorm); the keyword arguments of
+    `encoder_outputs_and_standardization_loss` but its last."""
+    return encoder_outputs_and_standardization_loss(
+        config, params, input_ids, segment_ids, input_mask, **kwargs
+    )[0]
 
 
 def encode(config: BertConfig, params: dict, input_ids, segment_ids, input_mask):
