@@ -24,7 +24,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
 from lambjax.models import matmul, standardization
-from lambjax.precision import chunked_dot, parse_accumulation
+from lambjax.precision import parse_accumulation
 
 PRESETS = {
     "tiny": dict(num_layers=2, hidden_size=128, num_heads=2, intermediate_size=512),
@@ -129,51 +129,6 @@ def _dense(config, features, names, name, axis=-1, dot_general=matmul.dense_dot_
     )
 
 
-def _accumulation(config):
-    """chunked_dot's keyword arguments for the encoder's matmuls, or None: platform dots."""
-    parsed = parse_accumulation(config.matmul_accumulation)
-    if parsed is None:
-        return None
-    dtype_name, chunk_size = parsed
-    return {"accumulation_dtype": dtype_name, "chunk_size": chunk_size}
-
-
-def _encoder_dot_general(config):
-    """The Dense layers' dot_general inside the encoder: `matmul.dense_dot_general`, or
-    `chunked_dot` over the flattened Dense form where the config emulates accumulation."""
-    accumulation = _accumulation(config)
-    if accumulation is None:
-        return matmul.dense_dot_general
-
-    def emulated(lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None):
-        (lhs_contracting, _), _ = dimension_numbers
-        count = len(lhs_contracting)
-        leading, features = lhs.shape[: lhs.ndim - count], rhs.shape[count:]
-        # The Dense form: the inputs' trailing axes against the kernel's leading ones.
-        out = chunked_dot(lhs.reshape(leading + (-1,)), rhs.reshape(-1, *features), **accumulation)
-        return out.astype(lhs.dtype)
-
-    return emulated
-
-
-def _attention_einsum(config, spec, x, y):
-    """The two attention einsums; with emulated accumulation, `chunked_dot` per batch row
-    and head (scores q k^T contract the head dimension, outputs contract the keys)."""
-    accumulation = _accumulation(config)
-    if accumulation is None:
-        return jnp.einsum(spec, x, y)
-
-    def dot(a, b):
-        return chunked_dot(a, b, **accumulation).astype(x.dtype)
-
-    if spec == "bqhd,bkhd->bhqk":
-        per_head = jax.vmap(lambda q, k: dot(q, k.T), in_axes=(1, 1))
-        return jax.vmap(per_head)(x, y)
-    assert spec == "bhqk,bkhd->bqhd", spec
-    per_head = jax.vmap(dot, in_axes=(0, 1), out_axes=1)
-    return jax.vmap(per_head)(x, y)
-
-
 def _layer_norm(config, name):
     return nn.LayerNorm(
         epsilon=config.layer_norm_eps,
@@ -237,15 +192,19 @@ class Attention(nn.Module):
     def __call__(self, x, attention_bias, deterministic: bool):
         c = self.config
         heads = (c.num_heads, c.head_dim)
-        dot_general = _encoder_dot_general(c)
+        dot_general = matmul.encoder_dot_general(c.matmul_accumulation)
         q = _dense(c, heads, ("embed", "heads", "kv"), "query", dot_general=dot_general)(x)
         k = _dense(c, heads, ("embed", "heads", "kv"), "key", dot_general=dot_general)(x)
         v = _dense(c, heads, ("embed", "heads", "kv"), "value", dot_general=dot_general)(x)
-        logits = _attention_einsum(c, "bqhd,bkhd->bhqk", q, k).astype(jnp.float32)
+        logits = matmul.attention_einsum(c.matmul_accumulation, "bqhd,bkhd->bhqk", q, k).astype(
+            jnp.float32
+        )
         logits = logits / jnp.sqrt(jnp.float32(c.head_dim)) + attention_bias
         weights = jax.nn.softmax(logits, axis=-1)
         weights = nn.Dropout(c.attention_dropout)(weights, deterministic=deterministic)
-        out = _attention_einsum(c, "bhqk,bkhd->bqhd", weights.astype(v.dtype), v)
+        out = matmul.attention_einsum(
+            c.matmul_accumulation, "bhqk,bkhd->bqhd", weights.astype(v.dtype), v
+        )
         out = _dense(
             c,
             c.hidden_size,
@@ -263,7 +222,7 @@ class Mlp(nn.Module):
     @nn.compact
     def __call__(self, x, deterministic: bool):
         c = self.config
-        dot_general = _encoder_dot_general(c)
+        dot_general = matmul.encoder_dot_general(c.matmul_accumulation)
         x = _dense(
             c, c.intermediate_size, ("embed", "mlp"), "intermediate", dot_general=dot_general
         )(x)
