@@ -1,6 +1,9 @@
 """lambjax.precision.chunked_dot against an independent NumPy emulation of the papers' scheme
 and a float64 reference (Wang et al. 2018, arXiv 1812.08011; Sakr et al. 2019, 1901.06588)."""
 
+import dataclasses
+import functools
+
 import jax
 import jax.numpy as jnp
 import ml_dtypes
@@ -8,7 +11,7 @@ import numpy as np
 import pytest
 
 from lambjax import precision
-from lambjax.models import bert, pretraining
+from lambjax.models import bert
 from tests.helpers import random_batch
 
 NUMPY_DTYPES = {"float16": np.float16, "bfloat16": ml_dtypes.bfloat16, "float32": np.float32}
@@ -139,44 +142,42 @@ def test_bad_matmul_accumulation_settings_are_refused(spec):
         precision.parse_accumulation(spec)
 
 
-def model_loss_and_grads(accumulation: str):
-    config = bert.BertConfig(
-        vocab_size=128,
-        hidden_size=32,
-        num_layers=1,
-        num_heads=2,
-        intermediate_size=64,
-        dtype="float32",
-        matmul_accumulation=accumulation,
-    )
-    params = bert.init_params(
-        bert.BertConfig(**{**vars(config), "matmul_accumulation": "float32"}), jax.random.key(0)
-    )
+SMALL_BERT = bert.BertConfig(
+    vocab_size=128,
+    hidden_size=32,
+    num_layers=1,
+    num_heads=2,
+    intermediate_size=64,
+    dtype="float32",
+    scan_layers=False,
+)
+
+
+@functools.cache
+def small_bert_params():
+    # Jitted: eager initialisation runs op by op. The same parameters for every accumulation.
+    return jax.jit(bert.init_params, static_argnums=0)(SMALL_BERT, jax.random.key(0))
+
+
+def encoder_states(accumulation: str) -> np.ndarray:
+    """The encoder's last hidden states for one small batch (forward only: the backward
+    GEMMs are checked on chunked_dot itself above; the model's forward is where the
+    routing happens)."""
+    config = dataclasses.replace(SMALL_BERT, matmul_accumulation=accumulation)
     batch = random_batch(seq=16, batch=4)
-
-    def loss(params):
-        stats = pretraining.pretraining_stats(config, params, batch)
-        return stats["mlm_loss_sum"] / stats["mlm_weight_sum"]
-
-    return jax.jit(jax.value_and_grad(loss))(params)
+    encode = jax.jit(functools.partial(bert.encode, config))
+    inputs = (batch["input_ids"], batch["segment_ids"], batch["input_mask"])
+    return np.asarray(encode(small_bert_params(), *inputs))
 
 
 def test_the_encoder_routes_its_matmuls_through_chunked_dot():
-    loss, grads = model_loss_and_grads("float32")
-    loss_emulated, grads_emulated = model_loss_and_grads("float32:chunk=8")
-    loss16, grads16 = model_loss_and_grads("float16:chunk=8")
-    np.testing.assert_allclose(loss_emulated, loss, rtol=1e-6)
-    jax.tree.map(
-        lambda x, y: np.testing.assert_allclose(x, y, rtol=1e-4, atol=1e-6), grads_emulated, grads
-    )
-    # float16 sums round at 11 bits: close to the float32 model, and not equal to it.
-    np.testing.assert_allclose(loss16, loss, rtol=1e-3)
-    layer_grad = grads["encoder"]["layers"]["mlp"]["output"]["kernel"]
-    layer_grad16 = grads16["encoder"]["layers"]["mlp"]["output"]["kernel"]
-    np.testing.assert_allclose(
-        layer_grad16, layer_grad, rtol=0.05, atol=1e-3 * np.abs(layer_grad).max()
-    )
-    assert not np.array_equal(layer_grad16, layer_grad)
+    states = encoder_states("float32")
+    # Emulated float32 accumulation is the float32 model to rounding; float16 sums round at
+    # 11 bits: close to it, and not equal.
+    np.testing.assert_allclose(encoder_states("float32:chunk=8"), states, rtol=1e-5, atol=1e-5)
+    states16 = encoder_states("float16:chunk=8")
+    np.testing.assert_allclose(states16, states, rtol=1e-2, atol=1e-2)
+    assert np.max(np.abs(states16 - states)) > 1e-5
 
 
 def test_a_bad_model_accumulation_names_the_field():
