@@ -62,29 +62,37 @@ def test_the_loss_matches_numpy_and_ignores_padding():
     assert abs(float(zero)) < 1e-4  # mu = 0, sigma^2 = 1: no loss (up to the log's eps)
 
 
-def test_it_attaches_to_every_tensor_a_layer_norm_normalized():
-    """PostLN, one layer: the embeddings' sum, and the two residual sums, each through the
-    scale and bias that replace its LayerNorm."""
-    params = initial_params()
+@pytest.mark.parametrize("layer_norm", ["post", "pre"])
+def test_it_attaches_to_every_tensor_a_layer_norm_normalized(layer_norm):
+    """One layer. PostLN: the embeddings' sum and the two residual sums; PreLN: the
+    embeddings' sum, each sub-layer's input and the final LayerNorm's input; each through
+    the scale and bias that replace its LayerNorm."""
+    # Unrolled layers here; the training test below runs the scanned form.
+    config = dataclasses.replace(CONFIG, scan_layers=False, layer_norm=layer_norm)
+    params = jax.jit(bert.init_params, static_argnums=0)(config, jax.random.key(0))
     params = jax.tree.map(  # non-trivial scales and biases
         lambda x: x + 0.1 * jax.random.normal(jax.random.key(1), x.shape), params
     )
     batch = random_batch(seq=12, batch=4, vocab_size=128)
     batch["input_mask"] = padded_mask(4, 12, 2)
-    config = dataclasses.replace(CONFIG, scan_layers=False)  # the training test scans
     encode = jax.jit(
         functools.partial(
             bert.encoder_outputs_and_standardization_loss, config, standardization_loss=True
         )
     )
     h, loss = encode(params, batch["input_ids"], batch["segment_ids"], batch["input_mask"])
-    embeddings, layer = (
-        params["embeddings"],
-        jax.tree.map(lambda x: x[0], params["encoder"]["layers"]),
-    )
+    embeddings = params["embeddings"]
+    layer = jax.tree.map(lambda x: x[0], params["encoder"]["layers"])
+    bias = jnp.where(batch["input_mask"][:, None, None, :] > 0, 0.0, -1e9)
 
     def affine(x, norm):
         return x * norm["scale"] + norm["bias"]
+
+    def attention(x):
+        return bert.Attention(config).apply({"params": layer["attention"]}, x, bias, True)
+
+    def mlp(x):
+        return bert.Mlp(config).apply({"params": layer["mlp"]}, x, True)
 
     seq = np.arange(12)
     sites = [
@@ -93,13 +101,20 @@ def test_it_attaches_to_every_tensor_a_layer_norm_normalized():
         + embeddings["token_type"]["embedding"][batch["segment_ids"]]
     ]
     x = affine(sites[0], embeddings["layer_norm"])
-    bias = jnp.where(batch["input_mask"][:, None, None, :] > 0, 0.0, -1e9)
-    sites.append(x + bert.Attention(CONFIG).apply({"params": layer["attention"]}, x, bias, True))
-    x = affine(sites[1], layer["attention_layer_norm"])
-    sites.append(x + bert.Mlp(CONFIG).apply({"params": layer["mlp"]}, x, True))
+    if layer_norm == "post":
+        sites.append(x + attention(x))
+        x = affine(sites[-1], layer["attention_layer_norm"])
+        sites.append(x + mlp(x))
+        expected_h = affine(sites[-1], layer["mlp_layer_norm"])
+    else:
+        sites.append(x)
+        x = x + attention(affine(x, layer["attention_layer_norm"]))
+        sites.append(x)
+        sites.append(x + mlp(affine(x, layer["mlp_layer_norm"])))
+        expected_h = affine(sites[-1], params["encoder"]["final_layer_norm"]["layer_norm"])
     expected = sum(numpy_standardization_loss(site, batch["input_mask"]) for site in sites)
     np.testing.assert_allclose(loss, expected, rtol=1e-5)
-    np.testing.assert_allclose(h, affine(sites[2], layer["mlp_layer_norm"]), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(h, expected_h, rtol=1e-5, atol=1e-6)
 
 
 def test_training_with_it_lowers_both_losses_and_logs_it():
