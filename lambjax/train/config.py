@@ -16,7 +16,7 @@ A config is an `ml_collections.ConfigDict`:
   phase_order: the phase names in the order they run.
 
 The recipes are the files in configs/; the variants every config accepts (`runlocal`, `pld`,
-`mslt`) are in lambjax.train.variants.
+`mslt`, `chunked_accumulation`, `standardization_loss`) are in lambjax.train.variants.
 """
 
 import ml_collections
