@@ -89,9 +89,11 @@ def test_chunks_of_64_cut_the_error_of_one_long_accumulation_severalfold(dtype_n
         chunk: relative_error(
             precision.chunked_dot(a, b, chunk_size=chunk, accumulation_dtype=dtype_name), exact
         )
-        for chunk in (None, 64)
+        for chunk in (None, 64, 1)
     }
     assert errors[None] > 5 * errors[64], errors
+    # Chunks of one term are one sequential sum again: both ends of the papers' U-shape.
+    assert errors[1] == errors[None], errors
 
 
 def test_gradients_are_the_emulated_backward_gemms():
