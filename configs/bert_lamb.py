@@ -5,7 +5,8 @@
   python -m lambjax.main --config=configs/bert_lamb.py:base,runlocal --workdir=/tmp/run
 
 `arg`: the size (`base`, the default, or `large`) and any variants of
-lambjax.train.variants (`runlocal`, `pld`, `mslt`), comma-separated.
+lambjax.train.variants (`runlocal`, `pld`, `mslt`, `chunked_accumulation`,
+`standardization_loss`), comma-separated.
 
 Sources: NVIDIA DeepLearningExamples, PyTorch BERT pretraining with LAMB (batch sizes,
 learning rates, warmup proportions, step counts; betas 0.9/0.999, eps 1e-6, weight decay 0.01

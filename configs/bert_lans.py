@@ -6,7 +6,8 @@ then 33K (32,768) at 512, with a warmup-constant-decay learning rate.
   python -m lambjax.main --config=configs/bert_lans.py:base,runlocal --workdir=/tmp/run
 
 `arg`: the size (`base`, the default, or `large`) and any variants of
-lambjax.train.variants (`runlocal`, `pld`, `mslt`), comma-separated.
+lambjax.train.variants (`runlocal`, `pld`, `mslt`, `chunked_accumulation`,
+`standardization_loss`), comma-separated.
 
 From the paper: the batch sizes and the schedule's shape. The learning rate 5e-3 and the
 warmup and constant fractions 0.05 and 0.25 come from a later GluonNLP script of the authors

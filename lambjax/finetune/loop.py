@@ -404,8 +404,9 @@ def _duration(seconds: float) -> str:
 def _export(run: Run, params, workdir: str) -> None:
     from lambjax.models import hf
 
-    if run.model_config.layer_norm != "post":
-        logging.info("Not exported to transformers: a PreLN model has no transformers form.")
+    reason = hf.unexportable_reason(run.model_config)
+    if reason:
+        logging.info("Not exported to transformers: %s.", reason)
         return
     if jax.process_count() > 1:
         from jax.experimental import multihost_utils

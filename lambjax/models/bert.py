@@ -23,7 +23,8 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
-from lambjax.models import matmul
+from lambjax.models import matmul, standardization
+from lambjax.precision import parse_accumulation
 
 PRESETS = {
     "tiny": dict(num_layers=2, hidden_size=128, num_heads=2, intermediate_size=512),
@@ -46,11 +47,20 @@ class BertConfig:
     attention_dropout: float = 0.1
     layer_norm: str = "post"  # "post" (original BERT) or "pre" (PreLN, as in PLD)
     layer_norm_eps: float = 1e-12
+    # "layer_norm", or "none": the embeddings' and the encoder's LayerNorms keep only their
+    # scale and bias (lambjax.models.standardization), for training with the
+    # standardization loss (Collins et al. 2019) in their place.
+    normalization: str = "layer_norm"
     initializer_range: float = 0.02
     dtype: str = "bfloat16"  # compute
     param_dtype: str = "float32"
     scan_layers: bool = True
     remat: bool = False  # recompute each layer's activations in the backward pass
+    # How the encoder's matmuls accumulate: "float32" (the platform's dot), or an emulation
+    # of low-precision accumulation, "float16" (naive) or "float16:chunk=64" (chunk-based),
+    # likewise bfloat16 (lambjax.precision). The embeddings and the heads keep the platform's
+    # dot, as Wang et al. keep the first and last layers in higher precision.
+    matmul_accumulation: str = "float32"
 
     def __post_init__(self):
         for name in (
@@ -72,6 +82,10 @@ class BertConfig:
             )
         if self.layer_norm not in ("post", "pre"):
             raise ValueError(f"BertConfig.layer_norm={self.layer_norm!r}; valid: 'post', 'pre'")
+        if self.normalization not in ("layer_norm", "none"):
+            raise ValueError(
+                f"BertConfig.normalization={self.normalization!r}; valid: 'layer_norm', 'none'"
+            )
         for name in ("hidden_dropout", "attention_dropout"):
             if not 0 <= getattr(self, name) < 1:
                 raise ValueError(f"BertConfig.{name}={getattr(self, name)} must lie in [0, 1)")
@@ -80,6 +94,10 @@ class BertConfig:
                 raise ValueError(
                     f"BertConfig.{name}={getattr(self, name)!r}; valid: float32, bfloat16, float16"
                 )
+        try:
+            parse_accumulation(self.matmul_accumulation)
+        except ValueError as e:
+            raise ValueError(f"BertConfig.{e}") from None
 
     @classmethod
     def preset(cls, name: str, **overrides) -> "BertConfig":
@@ -96,7 +114,7 @@ def _init(config: BertConfig):
     return nn.initializers.truncated_normal(config.initializer_range)
 
 
-def _dense(config, features, names, name, axis=-1):
+def _dense(config, features, names, name, axis=-1, dot_general=matmul.dense_dot_general):
     return nn.DenseGeneral(
         features,
         axis=axis,
@@ -106,7 +124,7 @@ def _dense(config, features, names, name, axis=-1):
         bias_init=nn.with_logical_partitioning(
             nn.initializers.zeros, names[-(len(features) if isinstance(features, tuple) else 1) :]
         ),
-        dot_general=matmul.dense_dot_general,
+        dot_general=dot_general,
         name=name,
     )
 
@@ -122,11 +140,26 @@ def _layer_norm(config, name):
     )
 
 
+def _encoder_norm(config, name):
+    """A LayerNorm of the embeddings or the encoder, or its scale and bias alone."""
+    if config.normalization == "none":
+        return standardization.AffineNorm(
+            config.hidden_size, config.dtype, config.param_dtype, name=name
+        )
+    return _layer_norm(config, name)
+
+
+def _normalize(norm, x, token_mask):
+    """`norm(x)`; given a token mask (normalization 'none', in training), an AffineNorm
+    also sows its input's standardization loss."""
+    return norm(x) if token_mask is None else norm(x, token_mask)
+
+
 class Embeddings(nn.Module):
     config: BertConfig
 
     @nn.compact
-    def __call__(self, input_ids, segment_ids, deterministic: bool):
+    def __call__(self, input_ids, segment_ids, deterministic: bool, token_mask=None):
         c = self.config
 
         def embed(num, names, name):
@@ -148,7 +181,7 @@ class Embeddings(nn.Module):
             + embed(c.max_position_embeddings, ("position", "embed"), "position")(positions)
             + embed(c.type_vocab_size, ("token_type", "embed"), "token_type")(segment_ids)
         )
-        h = _layer_norm(c, "layer_norm")(h)
+        h = _normalize(_encoder_norm(c, "layer_norm"), h, token_mask)
         return nn.Dropout(c.hidden_dropout)(h, deterministic=deterministic)
 
 
@@ -159,15 +192,27 @@ class Attention(nn.Module):
     def __call__(self, x, attention_bias, deterministic: bool):
         c = self.config
         heads = (c.num_heads, c.head_dim)
-        q = _dense(c, heads, ("embed", "heads", "kv"), "query")(x)
-        k = _dense(c, heads, ("embed", "heads", "kv"), "key")(x)
-        v = _dense(c, heads, ("embed", "heads", "kv"), "value")(x)
-        logits = jnp.einsum("bqhd,bkhd->bhqk", q, k).astype(jnp.float32)
+        dot_general = matmul.encoder_dot_general(c.matmul_accumulation)
+        q = _dense(c, heads, ("embed", "heads", "kv"), "query", dot_general=dot_general)(x)
+        k = _dense(c, heads, ("embed", "heads", "kv"), "key", dot_general=dot_general)(x)
+        v = _dense(c, heads, ("embed", "heads", "kv"), "value", dot_general=dot_general)(x)
+        logits = matmul.attention_einsum(c.matmul_accumulation, "bqhd,bkhd->bhqk", q, k).astype(
+            jnp.float32
+        )
         logits = logits / jnp.sqrt(jnp.float32(c.head_dim)) + attention_bias
         weights = jax.nn.softmax(logits, axis=-1)
         weights = nn.Dropout(c.attention_dropout)(weights, deterministic=deterministic)
-        out = jnp.einsum("bhqk,bkhd->bqhd", weights.astype(v.dtype), v)
-        out = _dense(c, c.hidden_size, ("heads", "kv", "embed"), "output", axis=(-2, -1))(out)
+        out = matmul.attention_einsum(
+            c.matmul_accumulation, "bhqk,bkhd->bqhd", weights.astype(v.dtype), v
+        )
+        out = _dense(
+            c,
+            c.hidden_size,
+            ("heads", "kv", "embed"),
+            "output",
+            axis=(-2, -1),
+            dot_general=dot_general,
+        )(out)
         return nn.Dropout(c.hidden_dropout)(out, deterministic=deterministic)
 
 
@@ -177,9 +222,12 @@ class Mlp(nn.Module):
     @nn.compact
     def __call__(self, x, deterministic: bool):
         c = self.config
-        x = _dense(c, c.intermediate_size, ("embed", "mlp"), "intermediate")(x)
+        dot_general = matmul.encoder_dot_general(c.matmul_accumulation)
+        x = _dense(
+            c, c.intermediate_size, ("embed", "mlp"), "intermediate", dot_general=dot_general
+        )(x)
         x = nn.gelu(x, approximate=False)
-        x = _dense(c, c.hidden_size, ("mlp", "embed"), "output")(x)
+        x = _dense(c, c.hidden_size, ("mlp", "embed"), "output", dot_general=dot_general)(x)
         return nn.Dropout(c.hidden_dropout)(x, deterministic=deterministic)
 
 
@@ -189,12 +237,16 @@ class Layer(nn.Module):
     config: BertConfig
 
     @nn.compact
-    def __call__(self, h, attention_bias, scale, deterministic: bool):
+    def __call__(self, h, attention_bias, scale, deterministic: bool, token_mask=None):
         c = self.config
         attention = Attention(c, name="attention")
         mlp = Mlp(c, name="mlp")
-        attention_norm = _layer_norm(c, "attention_layer_norm")
-        mlp_norm = _layer_norm(c, "mlp_layer_norm")
+        attention_norm = functools.partial(
+            _normalize, _encoder_norm(c, "attention_layer_norm"), token_mask=token_mask
+        )
+        mlp_norm = functools.partial(
+            _normalize, _encoder_norm(c, "mlp_layer_norm"), token_mask=token_mask
+        )
         if c.layer_norm == "pre":  # normalise each sub-layer's input, never the residual
             h = h + scale * attention(attention_norm(h), attention_bias, deterministic)
             return h + scale * mlp(mlp_norm(h), deterministic)
@@ -234,8 +286,8 @@ class FinalNorm(nn.Module):
     config: BertConfig
 
     @nn.compact
-    def __call__(self, h):
-        return _layer_norm(self.config, "layer_norm")(h)
+    def __call__(self, h, token_mask=None):
+        return _normalize(_encoder_norm(self.config, "layer_norm"), h, token_mask)
 
 
 # ----------------------------------------------------------------------------------------
@@ -299,8 +351,10 @@ def _attention_bias(input_mask):
     return jnp.where(input_mask[:, None, None, :] > 0, 0.0, -1e9).astype(jnp.float32)
 
 
-def _run_layers(config, layers, h, attention_bias, *, rng, keep, scale, first_index):
-    """Runs a stack of layers (scan or loop); layer i uses rng fold_in(rng, first_index+i)."""
+def _run_layers(config, layers, h, attention_bias, *, rng, keep, scale, first_index, token_mask):
+    """Runs a stack of layers (scan or loop); layer i uses rng fold_in(rng, first_index+i).
+    Returns the hidden states and the layers' summed standardization losses (0 without a
+    token mask)."""
     deterministic = rng is None
     count = jax.tree.leaves(layers)[0].shape[0]
     indices = jnp.arange(first_index, first_index + count)
@@ -313,31 +367,39 @@ def _run_layers(config, layers, h, attention_bias, *, rng, keep, scale, first_in
         rngs = {} if deterministic else {"dropout": jax.random.fold_in(rng, index)}
 
         def run(h):
-            return Layer(config).apply(
+            out, variables = Layer(config).apply(
                 {"params": layer_params},
                 h,
                 attention_bias,
                 scale_layer.astype(h.dtype),
                 deterministic,
+                token_mask,
                 rngs=rngs,
+                mutable=["losses"],
             )
+            return out, standardization.sown_total(variables)
+
+        def skip(h):
+            return h, jnp.zeros((), jnp.float32)
 
         if skip_dropped:
-            return jax.lax.cond(keep_layer, run, lambda h: h, h), None
-        return run(h), None
+            return jax.lax.cond(keep_layer, run, skip, h)
+        return run(h)
 
     if config.remat:
         apply_layer = jax.checkpoint(apply_layer, prevent_cse=not config.scan_layers)
     xs = (layers, indices, keep, scale)
     if config.scan_layers:
-        h, _ = jax.lax.scan(apply_layer, h, xs)
-        return h
+        h, losses = jax.lax.scan(apply_layer, h, xs)
+        return h, jnp.sum(losses)
+    total = jnp.zeros((), jnp.float32)
     for i in range(count):
-        h, _ = apply_layer(h, jax.tree.map(lambda x, i=i: x[i], xs))
-    return h
+        h, loss = apply_layer(h, jax.tree.map(lambda x, i=i: x[i], xs))
+        total = total + loss
+    return h, total
 
 
-def encoder_outputs(
+def encoder_outputs_and_standardization_loss(
     config: BertConfig,
     params: dict,
     input_ids,
@@ -348,15 +410,26 @@ def encoder_outputs(
     layer_keep=None,
     layer_scale=None,
     num_frozen_layers: int = 0,
+    standardization_loss: bool = False,
 ):
-    """Last hidden states [B, S, H] (after PreLN's final LayerNorm)."""
+    """(Last hidden states [B, S, H] (after PreLN's final LayerNorm), the summed
+    standardization loss of every AffineNorm's input over the unpadded tokens; 0 unless
+    `standardization_loss` and the model has normalization='none')."""
     deterministic = dropout_rng is None
     if not deterministic:
         embeddings_rng, dropout_rng = jax.random.split(dropout_rng)
     rngs = {} if deterministic else {"dropout": embeddings_rng}
-    h = Embeddings(config).apply(
-        {"params": params["embeddings"]}, input_ids, segment_ids, deterministic, rngs=rngs
+    token_mask = input_mask if standardization_loss and config.normalization == "none" else None
+    h, variables = Embeddings(config).apply(
+        {"params": params["embeddings"]},
+        input_ids,
+        segment_ids,
+        deterministic,
+        token_mask,
+        rngs=rngs,
+        mutable=["losses"],
     )
+    total = standardization.sown_total(variables)
     bias = _attention_bias(input_mask)
     layers = params["encoder"]["layers"]
     n = num_frozen_layers
@@ -368,7 +441,7 @@ def encoder_outputs(
 
     if n:
         frozen = jax.tree.map(lambda x: jax.lax.stop_gradient(x[:n]), layers)
-        h = _run_layers(
+        h, loss = _run_layers(
             config,
             frozen,
             jax.lax.stop_gradient(h),
@@ -377,11 +450,12 @@ def encoder_outputs(
             keep=part(layer_keep, 0, n),
             scale=part(layer_scale, 0, n),
             first_index=0,
+            token_mask=token_mask,
         )
-        h = jax.lax.stop_gradient(h)
+        h, total = jax.lax.stop_gradient(h), total + loss
     if n < config.num_layers:
         top = jax.tree.map(lambda x: x[n:], layers)
-        h = _run_layers(
+        h, loss = _run_layers(
             config,
             top,
             h,
@@ -390,10 +464,23 @@ def encoder_outputs(
             keep=part(layer_keep, n, None),
             scale=part(layer_scale, n, None),
             first_index=n,
+            token_mask=token_mask,
         )
+        total = total + loss
     if config.layer_norm == "pre":
-        h = FinalNorm(config).apply({"params": params["encoder"]["final_layer_norm"]}, h)
-    return h
+        h, variables = FinalNorm(config).apply(
+            {"params": params["encoder"]["final_layer_norm"]}, h, token_mask, mutable=["losses"]
+        )
+        total = total + standardization.sown_total(variables)
+    return h, total
+
+
+def encoder_outputs(config: BertConfig, params: dict, input_ids, segment_ids, input_mask, **kwargs):
+    """Last hidden states [B, S, H] (after PreLN's final LayerNorm); the keyword arguments of
+    `encoder_outputs_and_standardization_loss` but its last."""
+    return encoder_outputs_and_standardization_loss(
+        config, params, input_ids, segment_ids, input_mask, **kwargs
+    )[0]
 
 
 def encode(config: BertConfig, params: dict, input_ids, segment_ids, input_mask):

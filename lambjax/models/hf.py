@@ -203,12 +203,31 @@ def _encoder_state(config: bert.BertConfig, params: dict) -> dict[str, np.ndarra
     return state
 
 
+def unexportable_reason(config: bert.BertConfig) -> str | None:
+    """Why transformers' BERT cannot represent this model exactly, or None if it can.
+
+    Its blocks are PostLN, and every LayerNorm normalizes: no choice of LayerNorm parameters
+    turns it into the scale-and-bias of a model trained without normalization (the
+    standardization loss), so such a model is refused rather than exported wrongly.
+    """
+    if config.layer_norm != "post":
+        return "transformers BERT is PostLN: a layer_norm='pre' model cannot export"
+    if config.normalization != "layer_norm":
+        return (
+            f"transformers BERT always applies LayerNorm: a model with "
+            f"normalization={config.normalization!r} (trained with the standardization loss) "
+            f"has no exact transformers form and cannot export"
+        )
+    return None
+
+
 def to_transformers(
     config: bert.BertConfig, params: dict, path: str, vocab_file: str | None = None
 ) -> None:
     """Writes a directory that `transformers.BertForPreTraining.from_pretrained` loads."""
-    if config.layer_norm != "post":
-        raise ValueError("transformers BERT is PostLN: a layer_norm='pre' model cannot export")
+    reason = unexportable_reason(config)
+    if reason:
+        raise ValueError(reason)
     from safetensors.numpy import save_file
 
     params = jax.tree.map(lambda x: np.asarray(x, np.float32), params)
@@ -245,8 +264,9 @@ def to_transformers_task(
     heads/qa_outputs) or `BertForSequenceClassification` (heads/pooler + heads/classifier;
     `labels` names the classes, one output is regression). With `vocab_file` and
     `lower_case`, the tokenizer's files too (save_tokenizer)."""
-    if config.layer_norm != "post":
-        raise ValueError("transformers BERT is PostLN: a layer_norm='pre' model cannot export")
+    reason = unexportable_reason(config)
+    if reason:
+        raise ValueError(reason)
     from safetensors.numpy import save_file
 
     params = jax.tree.map(lambda x: np.asarray(x, np.float32), params)

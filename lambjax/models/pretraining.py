@@ -14,9 +14,12 @@ from lambjax.models import bert
 from lambjax.models.bert import BertConfig
 
 
-def _vocab_major_logits(config: BertConfig, params: dict, batch: dict, **encoder_kwargs):
-    """(MLM logits [V, B * P] at the masked positions, NSP logits [B, 2]), float32."""
-    h = bert.encoder_outputs(
+def _vocab_major_logits_and_standardization_loss(
+    config: BertConfig, params: dict, batch: dict, **encoder_kwargs
+):
+    """(MLM logits [V, B * P] at the masked positions, NSP logits [B, 2]), float32, and the
+    encoder's standardization loss (bert.encoder_outputs_and_standardization_loss)."""
+    h, standardization_loss = bert.encoder_outputs_and_standardization_loss(
         config,
         params,
         batch["input_ids"],
@@ -24,12 +27,18 @@ def _vocab_major_logits(config: BertConfig, params: dict, batch: dict, **encoder
         batch["input_mask"],
         **encoder_kwargs,
     )
-    return bert.Heads(config).apply(
+    logits = bert.Heads(config).apply(
         {"params": params["heads"]},
         h,
         batch["masked_lm_positions"],
         params["embeddings"]["word"]["embedding"],
     )
+    return logits, standardization_loss
+
+
+def _vocab_major_logits(config: BertConfig, params: dict, batch: dict, **encoder_kwargs):
+    """(MLM logits [V, B * P] at the masked positions, NSP logits [B, 2]), float32."""
+    return _vocab_major_logits_and_standardization_loss(config, params, batch, **encoder_kwargs)[0]
 
 
 def pretraining_logits(config: BertConfig, params: dict, batch: dict, **encoder_kwargs):
@@ -63,12 +72,16 @@ def pretraining_stats(
     layer_keep=None,
     layer_scale=None,
     num_frozen_layers: int = 0,
+    standardization_loss: bool = False,
 ) -> dict[str, Any]:
     """Sums (not means) of the MLM and NSP losses and hits over the batch, float32.
 
-    Sums let a caller add micro-batches up exactly and normalise by global counts.
+    Sums let a caller add micro-batches up exactly and normalise by global counts. With
+    `standardization_loss`, also the encoder's standardization loss of this batch
+    (`standardization_loss`, lambjax.models.standardization; a model with normalization
+    'none' only).
     """
-    mlm_logits, nsp_logits = _vocab_major_logits(
+    (mlm_logits, nsp_logits), std_loss = _vocab_major_logits_and_standardization_loss(
         config,
         params,
         batch,
@@ -76,13 +89,15 @@ def pretraining_stats(
         layer_keep=layer_keep,
         layer_scale=layer_scale,
         num_frozen_layers=num_frozen_layers,
+        standardization_loss=standardization_loss,
     )
     weights = batch["masked_lm_weights"].astype(jnp.float32).reshape(-1)
     mlm_nll, mlm_hits = _cross_entropy(mlm_logits, batch["masked_lm_ids"].reshape(-1), axis=0)
     nsp_nll, nsp_hits = _cross_entropy(
         nsp_logits, batch["next_sentence_labels"].reshape(-1), axis=-1
     )
-    return {
+    stats = {} if not standardization_loss else {"standardization_loss": std_loss}
+    return stats | {
         "mlm_loss_sum": jnp.sum(mlm_nll * weights),
         "mlm_weight_sum": jnp.sum(weights),
         "mlm_correct_sum": jnp.sum(mlm_hits * weights),

@@ -9,13 +9,14 @@ A config is an `ml_collections.ConfigDict`:
   optimizer:  the default optimizer of every phase (name, betas, weight decay, clipping)
   mesh:       the default device mesh of every phase ({data, fsdp, tensor} sizes; -1 = rest)
   layer_drop: progressive layer dropping (off by default; lambjax.train.layer_drop)
+  standardization_loss: its weight (0: off; lambjax.models.standardization)
   phases:     name -> phase (sequence length, global batch, accumulation, steps, schedule,
               optional `optimizer` / `mesh` overrides, and the encoder depth and frozen
               bottom layers of a multi-stage layerwise training stage: lambjax.train.stacking)
   phase_order: the phase names in the order they run.
 
 The recipes are the files in configs/; the variants every config accepts (`runlocal`, `pld`,
-`mslt`) are in lambjax.train.variants.
+`mslt`, `chunked_accumulation`, `standardization_loss`) are in lambjax.train.variants.
 """
 
 import ml_collections
@@ -136,6 +137,9 @@ def base_config() -> ml_collections.ConfigDict:
     config.layer_drop = ml_collections.ConfigDict(
         {"enabled": False, "theta_bar": 0.5, "gamma": 0.001}
     )
+    # The standardization loss (Collins et al. 2019): weight lambda of L_std in the objective,
+    # for a model with model.overrides.normalization="none"; 0 = off.
+    config.standardization_loss = ml_collections.ConfigDict({"weight": 0.0})
     config.phases = ml_collections.ConfigDict()
     config.phase_order = ()
     config.log_every_steps = 10
@@ -241,6 +245,15 @@ def validate_layer_schemes(config) -> None:
                 f"transformer blocks), but the model has layer_norm={layer_norm!r}; set "
                 f"--config.model.overrides.layer_norm=pre"
             )
+    weight = config.standardization_loss.weight
+    if weight < 0:
+        raise ConfigError(f"config.standardization_loss.weight={weight} must be >= 0")
+    if weight > 0 and model_config(config, vocab_size=1).normalization != "none":
+        raise ConfigError(
+            f"config.standardization_loss.weight={weight} replaces the encoder's LayerNorms, "
+            f"but the model has normalization='layer_norm'; set "
+            f"--config.model.overrides.normalization=none (or the variant standardization_loss)"
+        )
     previous = None
     for name in config.phase_order:
         phase, where = config.phases[name], f"config.phases.{name}"

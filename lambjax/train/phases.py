@@ -53,6 +53,7 @@ class Phase:
     num_frozen_layers: int  # bottom layers not trained in this phase (a stage of MSLT)
     layer_drop: LayerDrop | None  # progressive layer dropping, when enabled
     nsp_loss_weight: float  # 0 without next-sentence prediction
+    standardization_loss_weight: float  # lambda of the standardization loss; 0 = off
 
     def init_state(self, rng: jax.Array) -> TrainState:
         params = bert.init_params(self.model_config, rng)
@@ -91,6 +92,7 @@ class Phase:
             nsp_loss_weight=self.nsp_loss_weight,
             layer_drop=self.layer_drop,
             num_frozen_layers=self.num_frozen_layers,
+            standardization_loss_weight=self.standardization_loss_weight,
         )
 
     def batches(self, split: str, global_batch_size: int, seed: int, **kwargs):
@@ -147,6 +149,7 @@ def build_phase(config, name: str, index: int, step_offset: int) -> Phase:
         num_frozen_layers=phase_config.frozen_layers,
         layer_drop=layer_drop,
         nsp_loss_weight=1.0 if config.data.next_sentence_prediction else 0.0,
+        standardization_loss_weight=config.standardization_loss.weight,
     )
 
 

@@ -11,6 +11,11 @@ Two layer-level training schemes plug in here: progressive layer dropping
 (`layer_drop`, lambjax.train.layer_drop) draws which layers each micro-batch runs, and
 multi-stage layerwise training (`num_frozen_layers`, lambjax.train.stacking) differentiates
 and updates only the parameters above the frozen bottom layers.
+
+The standardization loss (`standardization_loss_weight` > 0, a model with normalization
+'none'; lambjax.models.standardization) adds lambda x L_std to the objective. L_std is
+computed from each micro-batch's statistics and averaged over the micro-batches; it is
+logged as `standardization_loss` (unweighted), and `loss` stays the MLM + NSP loss.
 """
 
 from collections.abc import Callable
@@ -139,6 +144,7 @@ def train_step(
     nsp_loss_weight: float = 1.0,
     layer_drop: LayerDrop | None = None,
     num_frozen_layers: int = 0,
+    standardization_loss_weight: float = 0.0,
 ) -> tuple[TrainState, dict]:
     """One optimizer step on one global batch. Returns the new state and scalar metrics."""
     mlm_total = jnp.maximum(jnp.sum(batch["masked_lm_weights"].astype(jnp.float32)), 1e-9)
@@ -146,6 +152,9 @@ def train_step(
     step_rng = jax.random.fold_in(rng, state.step)
     trainable, frozen = stacking.split(state.params, num_frozen_layers)
     stat_keys = STAT_KEYS + (("layers_run_sum",) if layer_drop else ())
+    standardize = standardization_loss_weight > 0
+    if standardize:
+        stat_keys += ("standardization_loss",)
 
     def loss_fn(trainable, microbatch, microbatch_rng):
         layers = {}
@@ -159,6 +168,7 @@ def train_step(
             microbatch,
             dropout_rng=microbatch_rng,
             num_frozen_layers=num_frozen_layers,
+            standardization_loss=standardize,
             **layers,
         )
         if layer_drop is not None:
@@ -166,6 +176,8 @@ def train_step(
         loss = stats["mlm_loss_sum"] / mlm_total + nsp_loss_weight * (
             stats["nsp_loss_sum"] / nsp_total
         )
+        if standardize:
+            loss += standardization_loss_weight * stats["standardization_loss"] / grad_accum_steps
         return loss, stats
 
     grad_fn = jax.grad(loss_fn, has_aux=True)
@@ -174,7 +186,13 @@ def train_step(
     )
     metrics = metrics_from_stats(stats)
     loss = metrics["mlm_loss"] + nsp_loss_weight * metrics["nsp_loss"]
-    new_state, update_metrics = apply_if_finite(state, grads, loss, optimizer, num_frozen_layers)
+    objective = loss
+    if standardize:
+        metrics["standardization_loss"] = stats["standardization_loss"] / grad_accum_steps
+        objective = loss + standardization_loss_weight * metrics["standardization_loss"]
+    new_state, update_metrics = apply_if_finite(
+        state, grads, objective, optimizer, num_frozen_layers
+    )
     metrics.update(
         loss=loss,
         learning_rate=schedule(state.step),

@@ -8,6 +8,10 @@ config has several, and any of the variants below (`runlocal` is applied first):
   --config=configs/bert_lamb.py:large,mslt            + multi-stage layerwise training
   --config=configs/bert_lamb.py:base,runlocal         shrunk to run on a CPU in minutes
   --config=configs/bert_lamb.py:large,pld,runlocal    both
+  --config=configs/bert_lamb.py:base,standardization_loss,runlocal
+                                                      no LayerNorm; the standardization loss
+  --config=configs/bert_lamb.py:base,chunked_accumulation,runlocal
+                                                      float16 chunk-64 accumulation (emulated)
 """
 
 import copy
@@ -103,7 +107,36 @@ def multi_stage(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     return with_phases(config, **phases)
 
 
-VARIANTS = {"runlocal": runlocal, "pld": layer_drop, "mslt": multi_stage}
+def chunked_accumulation(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
+    """The encoder's matmuls accumulated in float16 in chunks of 64, Wang et al.'s chunk
+    length (NeurIPS 2018, arXiv 1812.08011), emulated (lambjax.precision): a numerics study,
+    many times slower than the platform's dot. `--config.model.overrides.matmul_accumulation`
+    picks another format or chunk ('float16' alone: naive accumulation)."""
+    config.model.overrides.matmul_accumulation = "float16:chunk=64"
+    return config
+
+
+def standardization_loss(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
+    """The embeddings' and the encoder's LayerNorms replaced by the standardization loss
+    (Collins, Balle, Shlens 2019, arXiv 1903.00925; lambjax.models.standardization).
+
+    The weight: the paper's lambda for its one network trained with no normalization layer
+    at all, MobileNet-v1 (1e-4; its other nets: 1.0 for the MNIST nets, 1e-3 PointNet, 1e-5
+    Inception-v2, 1e-6 ResNet-50). L_std sums over channels and layers, so a wide, deep
+    model wants a smaller lambda: `--config.standardization_loss.weight`.
+    """
+    config.model.overrides.normalization = "none"
+    config.standardization_loss.weight = 1e-4
+    return config
+
+
+VARIANTS = {
+    "runlocal": runlocal,
+    "pld": layer_drop,
+    "mslt": multi_stage,
+    "chunked_accumulation": chunked_accumulation,
+    "standardization_loss": standardization_loss,
+}
 
 
 def parse_arg(arg: str | None, sizes: tuple[str, ...] = ()) -> tuple[str | None, list[str]]:

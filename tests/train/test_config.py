@@ -18,7 +18,17 @@ def load(path, variant=None):
     return module.get_config(variant)
 
 
-VARIANTS = [None, "runlocal", "pld", "mslt", "pld,runlocal", "mslt,runlocal"]
+VARIANTS = [
+    None,
+    "runlocal",
+    "pld",
+    "mslt",
+    "pld,runlocal",
+    "mslt,runlocal",
+    "chunked_accumulation,runlocal",
+    "standardization_loss",
+    "standardization_loss,pld,runlocal",
+]
 # Every config file with every argument it takes: the recipes' sizes times the variants.
 CONFIG_ARGS = [
     (path, ",".join(part for part in (size, variant) if part) or None)
@@ -59,6 +69,15 @@ def test_mslt_stages_of_the_recipes():
     large = load(os.path.join(CONFIG_DIR, "bert_lans.py"), "large,mslt")
     depths = [large.phases[name].num_layers for name in large.phase_order]
     assert depths == [6, 12, 18, 24, None]
+
+
+def test_the_standardization_loss_needs_a_model_without_layer_norm():
+    config = load(os.path.join(CONFIG_DIR, "bert_lamb.py"), "standardization_loss,runlocal")
+    assert config.model.overrides.normalization == "none"
+    assert config.standardization_loss.weight == 1e-4
+    config.model.overrides.normalization = "layer_norm"
+    with pytest.raises(config_lib.ConfigError, match="standardization_loss.weight=0.0001"):
+        config_lib.validate(config, num_devices=8)
 
 
 def test_pld_recipe_uses_preln_and_the_papers_settings():

@@ -1,0 +1,187 @@
+"""lambjax.precision.chunked_dot against an independent NumPy emulation of the papers' scheme
+and a float64 reference (Wang et al. 2018, arXiv 1812.08011; Sakr et al. 2019, 1901.06588)."""
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+from lambjax import precision
+from lambjax.models import bert
+from tests.helpers import random_batch
+
+NUMPY_DTYPES = {"float16": np.float16, "bfloat16": ml_dtypes.bfloat16, "float32": np.float32}
+
+
+def numpy_chunked_dot(a, b, chunk_size, dtype_name):
+    """The scheme written out in NumPy: products rounded to the accumulator, each chunk summed
+    term by term from zero, then the chunk sums term by term; every sum computed in float64
+    and rounded to the accumulator (innocuous double rounding for these formats)."""
+    dtype = NUMPY_DTYPES[dtype_name]
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    length = a.shape[1]
+    chunk_size = chunk_size or length
+    total = np.zeros((a.shape[0], b.shape[1]), dtype)
+    for start in range(0, length, chunk_size):
+        partial = np.zeros_like(total)
+        for i in range(start, min(start + chunk_size, length)):
+            product = np.outer(a[:, i], b[i]).astype(np.float32).astype(dtype)
+            partial = (partial.astype(np.float64) + product.astype(np.float64)).astype(dtype)
+        total = (total.astype(np.float64) + partial.astype(np.float64)).astype(dtype)
+    return total
+
+
+def uniform(shape, seed, dtype=jnp.float16):
+    return jnp.asarray(np.random.default_rng(seed).uniform(size=shape), dtype)
+
+
+def relative_error(out, reference):
+    return np.max(np.abs(np.asarray(out, np.float64) - reference) / np.abs(reference))
+
+
+@pytest.mark.parametrize("dtype_name", ["float16", "bfloat16"])
+@pytest.mark.parametrize("chunk_size", [None, 7, 64])  # 7: a short last chunk
+def test_chunked_dot_equals_an_independent_emulation_bitwise(dtype_name, chunk_size):
+    rng = np.random.default_rng(0)
+    a = jnp.asarray(rng.normal(size=(3, 200)), jnp.float32)
+    b = jnp.asarray(rng.normal(size=(200, 5)), jnp.float32)
+    out = jax.jit(
+        lambda a, b: precision.chunked_dot(
+            a, b, chunk_size=chunk_size, accumulation_dtype=dtype_name
+        )
+    )(a, b)
+    assert out.dtype == jnp.float32
+    expected = numpy_chunked_dot(a, b, chunk_size, dtype_name)
+    np.testing.assert_array_equal(np.asarray(out), expected.astype(np.float32))
+
+
+def test_float32_accumulation_equals_a_float32_dot_to_rounding():
+    rng = np.random.default_rng(1)
+    a = jnp.asarray(rng.normal(size=(4, 6, 96)), jnp.float32)  # leading axes kept
+    b = jnp.asarray(rng.normal(size=(96, 3, 2)), jnp.float32)
+    out = precision.chunked_dot(a, b, chunk_size=16, accumulation_dtype="float32")
+    assert out.shape == (4, 6, 3, 2)
+    exact = np.tensordot(np.asarray(a, np.float64), np.asarray(b, np.float64), axes=1)
+    np.testing.assert_allclose(out, jnp.tensordot(a, b, axes=1), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(out, exact, rtol=1e-5, atol=1e-5)
+
+
+def test_ones_stall_at_2048_in_float16_and_chunks_of_64_recover_4096():
+    ones = jnp.ones((1, 4096), jnp.float16)
+    naive = precision.chunked_dot(ones, ones.T, chunk_size=None, accumulation_dtype="float16")
+    chunked = precision.chunked_dot(ones, ones.T, chunk_size=64, accumulation_dtype="float16")
+    assert float(naive[0, 0]) == 2048.0  # 2048 + 1 rounds back to 2048 (ulp 2)
+    assert float(chunked[0, 0]) == 4096.0
+
+
+@pytest.mark.parametrize("dtype_name", ["float16", "bfloat16"])
+def test_chunks_of_64_cut_the_error_of_one_long_accumulation_severalfold(dtype_name):
+    # All-positive terms, contraction 2,048: the running sum grows, so naive accumulation
+    # swamps the later products (benchmarks/chunked_accumulation.py: 16x less error for
+    # float16, 27x for bfloat16).
+    a, b = uniform((16, 2048), 2), uniform((2048, 8), 3)
+    exact = np.asarray(a, np.float64) @ np.asarray(b, np.float64)
+    errors = {
+        chunk: relative_error(
+            precision.chunked_dot(a, b, chunk_size=chunk, accumulation_dtype=dtype_name), exact
+        )
+        for chunk in (None, 64, 1)
+    }
+    assert errors[None] > 5 * errors[64], errors
+    # Chunks of one term are one sequential sum again: both ends of the papers' U-shape.
+    assert errors[1] == errors[None], errors
+
+
+def test_gradients_are_the_emulated_backward_gemms():
+    rng = np.random.default_rng(4)
+    a = jnp.asarray(rng.normal(size=(6, 40)), jnp.float32)
+    b = jnp.asarray(rng.normal(size=(40, 5)), jnp.float32)
+    g = jnp.asarray(rng.normal(size=(6, 5)), jnp.float32)
+
+    def loss(a, b, dtype_name):
+        out = precision.chunked_dot(a, b, chunk_size=8, accumulation_dtype=dtype_name)
+        return jnp.sum(out * g)
+
+    da, db = jax.grad(loss, argnums=(0, 1))(a, b, "float32")
+    np.testing.assert_allclose(da, g @ b.T, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(db, a.T @ g, rtol=1e-5, atol=1e-5)
+    da16, db16 = jax.grad(loss, argnums=(0, 1))(a, b, "float16")
+    np.testing.assert_array_equal(da16, numpy_chunked_dot(g, b.T, 8, "float16"))
+    np.testing.assert_array_equal(db16, numpy_chunked_dot(a.T, g, 8, "float16"))
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(chunk_size=0, accumulation_dtype="float16"), "chunk_size=0"),
+        (dict(chunk_size=8, accumulation_dtype="int8"), "accumulation_dtype='int8'"),
+    ],
+)
+def test_bad_arguments_get_one_line_naming_them(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        precision.chunked_dot(jnp.ones((2, 3)), jnp.ones((3, 4)), **kwargs)
+    with pytest.raises(ValueError, match=r"shapes \[2, 3\] and \[4, 4\]"):
+        precision.chunked_dot(
+            jnp.ones((2, 3)), jnp.ones((4, 4)), chunk_size=2, accumulation_dtype="float16"
+        )
+
+
+@pytest.mark.parametrize(
+    "spec, parsed",
+    [("float32", None), ("float16", ("float16", None)), ("bfloat16:chunk=32", ("bfloat16", 32))],
+)
+def test_matmul_accumulation_settings(spec, parsed):
+    assert precision.parse_accumulation(spec) == parsed
+
+
+@pytest.mark.parametrize("spec", ["float8", "float16:chunk=0", "float16:chunks=64", "fp16"])
+def test_bad_matmul_accumulation_settings_are_refused(spec):
+    with pytest.raises(ValueError, match="valid: 'float32'"):
+        precision.parse_accumulation(spec)
+
+
+SMALL_BERT = bert.BertConfig(
+    vocab_size=128,
+    hidden_size=32,
+    num_layers=1,
+    num_heads=2,
+    intermediate_size=64,
+    dtype="float32",
+    scan_layers=False,
+)
+
+
+@functools.cache
+def small_bert_params():
+    # Jitted: eager initialisation runs op by op. The same parameters for every accumulation.
+    return jax.jit(bert.init_params, static_argnums=0)(SMALL_BERT, jax.random.key(0))
+
+
+def encoder_states(accumulation: str) -> np.ndarray:
+    """The encoder's last hidden states for one small batch (forward only: the backward
+    GEMMs are checked on chunked_dot itself above; the model's forward is where the
+    routing happens)."""
+    config = dataclasses.replace(SMALL_BERT, matmul_accumulation=accumulation)
+    batch = random_batch(seq=16, batch=4)
+    encode = jax.jit(functools.partial(bert.encode, config))
+    inputs = (batch["input_ids"], batch["segment_ids"], batch["input_mask"])
+    return np.asarray(encode(small_bert_params(), *inputs))
+
+
+def test_the_encoder_routes_its_matmuls_through_chunked_dot():
+    states = encoder_states("float32")
+    # Emulated float32 accumulation is the float32 model to rounding; float16 sums round at
+    # 11 bits: close to it, and not equal.
+    np.testing.assert_allclose(encoder_states("float32:chunk=8"), states, rtol=1e-5, atol=1e-5)
+    states16 = encoder_states("float16:chunk=8")
+    np.testing.assert_allclose(states16, states, rtol=1e-2, atol=1e-2)
+    assert np.max(np.abs(states16 - states)) > 1e-5
+
+
+def test_a_bad_model_accumulation_names_the_field():
+    with pytest.raises(ValueError, match="BertConfig.matmul_accumulation='float16:64'"):
+        bert.BertConfig(matmul_accumulation="float16:64")
