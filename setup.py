@@ -30,6 +30,8 @@ TRAIN_REQUIRES = [
     "absl-py>=1.4",
     "etils[epath]",  # lambjax.train.checkpointing uses epath directly
     "matplotlib>=3.8",  # the plots of `python -m lambjax.sweep report`
+    # `python -m lambjax.prepare`: the dataset build (DirectRunner here, Dataflow at scale).
+    "apache-beam>=2.77,<2.78",
 ]
 
 # Import from / export to PyTorch `transformers` checkpoints (lambjax.models.hf).
