@@ -20,7 +20,9 @@ import sys
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
-from absl import app, flags
+import logging as std_logging
+
+from absl import app, flags, logging
 from ml_collections import config_flags
 
 from lambjax import cli
@@ -40,6 +42,9 @@ PROGRAM = "lambjax.prepare"
 def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+    if not flags.FLAGS["verbosity"].present:  # Beam and TFDS log much at INFO
+        logging.set_verbosity(logging.WARNING)
+        std_logging.getLogger("apache_beam").setLevel(std_logging.WARNING)
     from lambjax import data
     from lambjax.data import beam_build, builder
 

@@ -254,7 +254,7 @@ def run(units: list[sources.Unit], plan: Plan, options: beam_options.PipelineOpt
     start = time.monotonic()
     direct = options.view_as(beam_options.StandardOptions).runner in (None, "DirectRunner")
     progress = _Progress(units, plan.targets[0].directory) if direct else None
-    pipeline = beam.Pipeline(options=options)
+    pipeline = beam.Pipeline(runner=_direct_runner(options) if direct else None, options=options)
     _ = (
         pipeline
         | "Units" >> beam.Create(units)
@@ -286,6 +286,21 @@ def run(units: list[sources.Unit], plan: Plan, options: beam_options.PipelineOpt
         reused_units=counters.get("input shards reused", 0),
         num_units=len(units),
     )
+
+
+def _direct_runner(options: beam_options.PipelineOptions):
+    """The runner Beam's Python DirectRunner runs a batch pipeline on (FnApiRunner, which
+    honours direct_num_workers and direct_running_mode), named here because the
+    DirectRunner first tries PrismRunner, a binary it would download at run time."""
+    from apache_beam.portability.api import beam_provision_api_pb2
+    from apache_beam.runners.portability.fn_api_runner import fn_runner
+    from apache_beam.runners.portability.portable_runner import JobServiceHandle
+
+    encoded = JobServiceHandle.encode_pipeline_options(options.get_all_options())
+    provision_info = fn_runner.ExtendedProvisionInfo(
+        beam_provision_api_pb2.ProvisionInfo(pipeline_options=encoded)
+    )
+    return fn_runner.FnApiRunner(provision_info=provision_info)
 
 
 def register(target: Target, records: list[dict]) -> dict[str, int]:

@@ -285,6 +285,12 @@ def _build(config: dict, seq_lengths: list[int], data_dir: str, beam_options: st
 
     units = _units(config)
     options = beam_build.pipeline_options(beam_options, len(units))  # bad options fail early
+    runner = options.get_all_options()["runner"]
+    if runner != "DirectRunner" and "://" not in data_dir:
+        raise DataError(
+            f"config.data.data_dir={data_dir!r} is local, but runner={runner} writes from its "
+            "own machines: give a data_dir they can reach (gs://BUCKET/...)"
+        )
     vocab_file = _vocab_path(config, data_dir)
     if config["vocab"] == "train" and not epath.Path(vocab_file).exists():
         _train_vocab(config, units, vocab_file)
