@@ -377,8 +377,8 @@ def _counters(result) -> dict[str, int]:
 
 
 class _Progress:
-    """A line on stderr every few seconds: input shards done of total, MB/s, ETA (it counts
-    the units' completion records, so it works with DirectRunner worker processes)."""
+    """A line on stderr every few seconds: input shards done of total, MB/s, ETA (it lists
+    the units' completion records, one listing a time, so it sees every worker process)."""
 
     def __init__(self, units: list[sources.Unit], directory: str, interval: float = 10.0):
         self._units, self._directory, self._interval = units, directory, interval
@@ -394,7 +394,9 @@ class _Progress:
     def _loop(self):
         total_bytes = sum(u.size_bytes for u in self._units) or 1
         while not self._stop.wait(self._interval):
-            done = [u for u in self._units if unit_record_path(self._directory, u.index).exists()]
+            records = epath.Path(self._directory) / _UNITS_DIR
+            names = {p.name for p in records.glob("unit-*.json")} if records.exists() else set()
+            done = [u for u in self._units if unit_record_path("", u.index).name in names]
             elapsed = time.monotonic() - self._start
             done_bytes = sum(u.size_bytes for u in done)
             rate = done_bytes / 1e6 / elapsed
