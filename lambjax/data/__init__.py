@@ -1,5 +1,8 @@
 """Pretraining data: sources, WordPiece, BERT examples in a TFDS dataset, grain pipeline.
 
+The datasets are built by one Apache Beam pipeline (beam_build; `python -m lambjax.prepare`
+runs it ahead of training); `prepare` finds them, or builds what is missing.
+
 prepared = data.prepare(config.data, max_seq_length=128)
 batches = data.make_iterator(prepared, split="train", global_batch_size=256,
                              max_predictions_per_seq=20, seed=0,
