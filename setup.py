@@ -31,6 +31,8 @@ TRAIN_REQUIRES = [
     "etils[epath]",  # every path goes through epath (lambjax.storage)
     "gcsfs",  # epath's gs:// backend (lambjax.storage explains why not TensorFlow's)
     "matplotlib>=3.8",  # the plots of `python -m lambjax.sweep report`
+    # `python -m lambjax.prepare`: the dataset build (DirectRunner here, Dataflow at scale).
+    "apache-beam>=2.77,<2.78",
 ]
 
 # Import from / export to PyTorch `transformers` checkpoints (lambjax.models.hf).

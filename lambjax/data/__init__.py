@@ -1,5 +1,8 @@
 """Pretraining data: sources, WordPiece, BERT examples in a TFDS dataset, grain pipeline.
 
+The datasets are built by one Apache Beam pipeline (beam_build; `python -m lambjax.prepare`
+runs it ahead of training); `prepare` finds them, or builds what is missing.
+
 prepared = data.prepare(config.data, max_seq_length=128)
 batches = data.make_iterator(prepared, split="train", global_batch_size=256,
                              max_predictions_per_seq=20, seed=0,
@@ -9,7 +12,7 @@ batches = data.make_iterator(prepared, split="train", global_batch_size=256,
 
 import ml_collections
 
-from lambjax.data.builder import Prepared, prepare
+from lambjax.data.builder import NotPrepared, Prepared, prepare, prepare_all
 from lambjax.data.pipeline import BatchIterator, make_iterator
 from lambjax.data.sources import DataError
 
@@ -32,8 +35,13 @@ def default_config() -> ml_collections.ConfigDict:
             "masked_lm_prob": 0.15,
             "validation_fraction": 0.05,  # of documents, held out whole
             "build_seed": 12345,
-            # A corpus of more documents is built in shards of this many, on every core.
-            "build_shard_documents": 2000,
+            # The unit of work of the build (lambjax.prepare): a text file larger than this
+            # is cut into pieces of about this size at document boundaries; a tfds: split
+            # into record ranges of about this much data. One output shard per unit.
+            "build_shard_mb": 32.0,
+            # data.vocab="train" trains on the whole corpus up to this size, else on every
+            # k-th input unit, k = ceil(corpus MB / vocab_sample_mb); 0: the whole corpus.
+            "vocab_sample_mb": 256.0,
             # Where built datasets (and trained vocabularies) live; None: ~/tensorflow_datasets.
             "data_dir": ml_collections.FieldReference(None, field_type=str),
             # TFDS data dir of a `tfds:` source; None: TFDS's default.
@@ -42,4 +50,13 @@ def default_config() -> ml_collections.ConfigDict:
     )
 
 
-__all__ = ["BatchIterator", "DataError", "Prepared", "default_config", "make_iterator", "prepare"]
+__all__ = [
+    "BatchIterator",
+    "DataError",
+    "NotPrepared",
+    "Prepared",
+    "default_config",
+    "make_iterator",
+    "prepare",
+    "prepare_all",
+]

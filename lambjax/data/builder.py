@@ -1,33 +1,38 @@
-"""The TFDS dataset of pretraining examples, and `prepare`, which builds or reuses it.
+"""The TFDS datasets of pretraining examples, and `prepare`, which finds or builds them.
 
-One dataset per (source content, vocabulary, example options, max_seq_length): its TFDS
-config name is a hash of all of them, so identical inputs reuse the existing build and any
-change builds a new one beside it (nothing is overwritten). TFDS writes into a temporary
-directory and renames it when complete, so an interrupted build never looks complete.
-Stored as ArrayRecord, for the random access grain needs. Validation holds whole
-documents out (`validation_fraction` of them, chosen by a hash of the document index).
+One dataset per (source content, vocabulary, example options, max_seq_length): its
+directory name is a hash of all of them, so identical inputs reuse the existing build and
+any change builds a new one beside it (nothing is overwritten). A dataset is complete when
+its dataset_info.json exists, written last by the build (lambjax.data.beam_build, one
+Apache Beam pipeline for every sequence length asked for); readers require it. Stored as
+ArrayRecord, for the random access grain needs.
+
+The vocabulary (`data.vocab="train"`) is trained before the pipeline runs, streaming the
+corpus through `tokenizers`' trainer (lambjax.data.tokenization): all of it when it is at
+most `vocab_sample_mb`, else every k-th input unit, k = ceil(corpus MB / vocab_sample_mb),
+a fixed sample spread over the whole corpus. Workers get the vocabulary itself, not a path.
 """
 
-import concurrent.futures
 import contextlib
 import dataclasses
 import fcntl
-import functools
 import hashlib
 import json
-import multiprocessing
+import math
 import os
-import tempfile
 
 import numpy as np
 import tensorflow_datasets as tfds
 from absl import logging
+from etils import epath
 
 from lambjax.data import examples as examples_lib
 from lambjax.data import sources, tokenization
 from lambjax.data.sources import DataError
 
 tfds.disable_progress_bar()
+
+VERSION = "1.0.0"
 
 FEATURES = tfds.features.FeaturesDict(
     {
@@ -36,6 +41,10 @@ FEATURES = tfds.features.FeaturesDict(
         "next_sentence_label": tfds.features.Scalar(dtype=np.int32),
     }
 )
+
+
+class NotPrepared(DataError):
+    """The data a run needs is not built, and this caller may not build it."""
 
 
 @dataclasses.dataclass
@@ -49,210 +58,278 @@ class Prepared:
     continuation_ids: tuple[int, ...]  # "##" word pieces (whole word masking)
     max_seq_length: int
     data_config: dict
+    directory: str = ""  # the dataset's TFDS directory
 
     def num_examples(self, split: str) -> int:
         return len(self.data_sources[split])
-
-
-class PretrainingExamples(tfds.core.GeneratorBasedBuilder):
-    """Tokenized BERT pretraining examples (masking is applied when reading)."""
-
-    VERSION = tfds.core.Version("1.0.0")
-
-    def __init__(self, *, key: str, description: str, make_examples=None, **kwargs):
-        self._make_examples = make_examples
-        self._description = description
-        super().__init__(config=tfds.core.BuilderConfig(name=key), **kwargs)
-
-    def _info(self):
-        return self.dataset_info_from_configs(features=FEATURES, description=self._description)
-
-    def _split_generators(self, dl_manager):
-        del dl_manager
-        splits = self._make_examples()
-        return {name: self._generate_examples(examples) for name, examples in splits.items()}
-
-    def _generate_examples(self, examples):
-        yield from enumerate(examples)
 
 
 def default_data_dir() -> str:
     return os.path.join(os.path.expanduser("~"), "tensorflow_datasets")
 
 
-def prepare(data_config, max_seq_length: int, *, data_dir: str | None = None) -> Prepared:
-    """Builds (or reuses) the dataset of `data_config` at `max_seq_length`."""
+def prepare(
+    data_config,
+    max_seq_length: int,
+    *,
+    data_dir: str | None = None,
+    build: bool = True,
+    beam_options: str | None = None,
+) -> Prepared:
+    """Finds (or, with `build`, builds) the dataset of `data_config` at `max_seq_length`."""
+    return prepare_all(
+        data_config, [max_seq_length], data_dir=data_dir, build=build, beam_options=beam_options
+    )[max_seq_length]
+
+
+def prepare_all(
+    data_config,
+    max_seq_lengths,
+    *,
+    data_dir: str | None = None,
+    build: bool = True,
+    beam_options: str | None = None,
+    on_summary=None,
+) -> dict[int, Prepared]:
+    """The datasets of `data_config` at each of `max_seq_lengths`; those missing are built
+    in one pipeline (`beam_options`: see beam_build.pipeline_options), or, without `build`,
+    raise NotPrepared. `on_summary(summary)` is called after a build."""
     config = data_config.to_dict() if hasattr(data_config, "to_dict") else dict(data_config)
-    data_dir = data_dir or config.get("data_dir") or default_data_dir()
+    data_dir = os.fspath(data_dir or config.get("data_dir") or default_data_dir())
     _check_config(config)
-    fingerprint = sources.fingerprint(config["source"], tfds_data_dir=config["tfds_data_dir"])
+    seq_lengths = sorted(set(max_seq_lengths))
+    found = _find(config, seq_lengths, data_dir)
+    if found is not None:
+        return found
+    if not build:
+        raise NotPrepared(_missing(config, seq_lengths, data_dir))
+    with _build_lock(data_dir):  # sweep trials sharing a data_dir build once
+        found = _find(config, seq_lengths, data_dir)
+        if found is None:
+            summary = _build(config, seq_lengths, data_dir, beam_options)
+            if on_summary:
+                on_summary(summary)
+            else:
+                logging.info("%s", summary_line(summary, data_dir))
+            found = _find(config, seq_lengths, data_dir)
+    assert found is not None, "a completed build is found"
+    return found
 
-    @functools.cache
-    def load_documents():  # only when the vocabulary or the examples must be built
-        documents, skipped = sources.read_documents(
-            config["source"], tfds_data_dir=config["tfds_data_dir"]
-        )
-        if not documents:
-            raise DataError(f"config.data.source={config['source']!r} holds no text")
-        for reason, count in skipped.items():
-            logging.warning("Data build skipped %d %s", count, reason)
-        return documents
 
-    vocab_file = _vocab_file(config, fingerprint, data_dir, load_documents)
-    tokenizer = tokenization.load(vocab_file, config["lower_case"])
-    special = tokenization.special_ids(tokenizer)
-    options = examples_lib.ExampleOptions(
-        max_seq_length=max_seq_length,
-        next_sentence_prediction=config["next_sentence_prediction"],
-        short_seq_prob=config["short_seq_prob"],
-        cls_id=special["cls"],
-        sep_id=special["sep"],
+def summary_line(summary, data_dir: str) -> str:
+    skipped = ", ".join(f"{n} {reason}" for reason, n in sorted(summary.skipped.items()))
+    per_seq = "; ".join(
+        f"seq {seq}: " + ", ".join(f"{n} {split}" for split, n in counts.items())
+        for seq, counts in sorted(summary.examples.items())
     )
-    inputs = {
-        "source": fingerprint,
-        "vocab": _file_hash(vocab_file),
-        "lower_case": config["lower_case"],
-        "options": dataclasses.asdict(options),
-        "validation_fraction": config["validation_fraction"],
-        "build_seed": config["build_seed"],
-        "shard_documents": config["build_shard_documents"],
-    }
-    key = "k" + hashlib.sha256(json.dumps(inputs, sort_keys=True).encode()).hexdigest()[:16]
-    with _build_lock(data_dir, key):  # the builder reads the dataset's info when made
-        builder = PretrainingExamples(
-            key=key,
-            description=json.dumps({**inputs, "source": config["source"]}),
-            make_examples=lambda: _split_examples(load_documents(), tokenizer, options, config),
-            data_dir=data_dir,
-            file_format="array_record",
-        )
-        if not builder.is_prepared():
-            logging.info(
-                "Building pretraining examples %s (seq %d) in %s", key, max_seq_length, data_dir
-            )
-            builder.download_and_prepare(
-                download_config=tfds.download.DownloadConfig(
-                    try_download_gcs=False, verify_ssl=False, max_examples_per_split=None
-                )
-            )
-    vocab = tokenizer.get_vocab()
-    return Prepared(
-        data_sources={split: builder.as_data_source(split=split) for split in builder.info.splits},
-        vocab_file=vocab_file,
-        vocab_size=tokenizer.get_vocab_size(),
-        special_ids=special,
-        continuation_ids=tuple(sorted(i for t, i in vocab.items() if t.startswith("##"))),
-        max_seq_length=max_seq_length,
-        data_config=config,
+    reused = f", {summary.reused_units} reused" if summary.reused_units else ""
+    rate = summary.megabytes / max(summary.seconds, 1e-9)
+    return (
+        f"prepare: {summary.documents} documents from {summary.num_units} input shards"
+        f"{reused} (skipped: {skipped or 'none'}); examples {per_seq}; "
+        f"{summary.megabytes:.1f} MB in {summary.seconds:.0f} s ({rate:.2f} MB/s); "
+        f"wrote {epath.Path(data_dir) / 'pretraining_examples'}"
     )
-
-
-@contextlib.contextmanager
-def _build_lock(data_dir: str, key: str):
-    """One build of a dataset at a time across processes sharing a local data_dir (e.g. the
-    trials of a sweep): the others wait for it, then read what it built."""
-    if "://" in data_dir:
-        yield
-        return
-    os.makedirs(data_dir, exist_ok=True)
-    with open(os.path.join(data_dir, f".build-{key}.lock"), "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(lock, fcntl.LOCK_UN)
 
 
 def _check_config(config: dict) -> None:
+    sources.check_source(config["source"])
     if not 0 <= config["validation_fraction"] < 1:
         raise DataError(
             f"config.data.validation_fraction={config['validation_fraction']} must lie in [0, 1)"
         )
     if not 0 <= config["short_seq_prob"] <= 1:
         raise DataError(f"config.data.short_seq_prob={config['short_seq_prob']} must lie in [0, 1]")
+    if not config["build_shard_mb"] > 0:
+        raise DataError(f"config.data.build_shard_mb={config['build_shard_mb']} must be > 0")
+    if config["vocab_sample_mb"] < 0:
+        raise DataError(
+            f"config.data.vocab_sample_mb={config['vocab_sample_mb']} must be >= 0 (0: all)"
+        )
 
 
-def _file_hash(path: str) -> str:
-    with open(path, "rb") as f:
-        return hashlib.sha256(f.read()).hexdigest()
-
-
-def _vocab_file(config: dict, fingerprint: str, data_dir: str, load_documents) -> str:
-    """config.data.vocab as a path, or "train": a vocabulary trained once per corpus."""
+def _vocab_path(config: dict, data_dir: str) -> str:
+    """config.data.vocab as a path, or "train": where the trained vocabulary lives."""
     if config["vocab"] != "train":
         return os.path.expanduser(config["vocab"])
+    fingerprint = sources.fingerprint(config["source"], tfds_data_dir=config["tfds_data_dir"])
     key = hashlib.sha256(
-        json.dumps([fingerprint, config["vocab_size"], config["lower_case"]]).encode()
+        json.dumps(
+            [fingerprint, config["vocab_size"], config["lower_case"], config["vocab_sample_mb"]]
+        ).encode()
     ).hexdigest()[:16]
-    path = os.path.join(data_dir, "lambjax_vocab", key, "vocab.txt")
-    if not os.path.exists(path):
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        # Written beside, then renamed: a crash never leaves a partial vocabulary.
-        handle, temporary = tempfile.mkstemp(dir=os.path.dirname(path), suffix=".incomplete")
-        os.close(handle)
-        tokenization.train_vocab(
-            load_documents(), config["vocab_size"], config["lower_case"], temporary
-        )
-        os.replace(temporary, path)
-    return path
+    return os.fspath(epath.Path(data_dir) / "lambjax_vocab" / key / "vocab.txt")
 
 
-def _build_split(docs, tokenizer, options, seed, config) -> tuple[list[dict], dict]:
-    """One split's examples. A large corpus is cut into shards of `build_shard_documents`
-    documents, built in parallel on every core (the random next sentence is drawn from the
-    same shard, as Google's per-file build does); the result depends on the shard size,
-    never on the number of cores."""
-    size = config["build_shard_documents"]
-    shards = [docs[i : i + size] for i in range(0, len(docs), size)]
-    if len(shards) == 1:
-        return examples_lib.create_examples(
-            examples_lib.tokenize_documents(docs, tokenizer), options, seed
-        )
-    vocab = tokenizer.get_vocab()
-    jobs = [
-        (shard, vocab, config["lower_case"], options, seed * 1_000_003 + i)
-        for i, shard in enumerate(shards)
-    ]
-    context = multiprocessing.get_context("spawn")  # no fork of a threaded JAX/TF process
-    workers = min(len(shards), os.cpu_count() or 1)
-    with concurrent.futures.ProcessPoolExecutor(workers, mp_context=context) as pool:
-        results = list(pool.map(examples_lib.build_shard, jobs))
-    examples = [e for shard_examples, _ in results for e in shard_examples]
-    skipped: dict[str, int] = {}
-    for _, shard_skipped in results:
-        for reason, count in shard_skipped.items():
-            skipped[reason] = skipped.get(reason, 0) + count
-    return examples, skipped
+def _dataset_dir(config: dict, vocab_file: str, options, data_dir: str) -> str:
+    inputs = {
+        "source": sources.fingerprint(config["source"], tfds_data_dir=config["tfds_data_dir"]),
+        "vocab": hashlib.sha256(epath.Path(vocab_file).read_bytes()).hexdigest(),
+        "lower_case": config["lower_case"],
+        "options": dataclasses.asdict(options),
+        "validation_fraction": config["validation_fraction"],
+        "build_seed": config["build_seed"],
+        "shard_mb": config["build_shard_mb"],
+    }
+    key = "k" + hashlib.sha256(json.dumps(inputs, sort_keys=True).encode()).hexdigest()[:16]
+    return os.fspath(epath.Path(data_dir) / "pretraining_examples" / key / VERSION)
 
 
-def _split_examples(documents, tokenizer, options, config) -> dict[str, list[dict]]:
-    """Holds out whole documents for validation, then makes each split's examples."""
-    fraction = config["validation_fraction"]
-    by_split = {"train": [], "validation": []}
-    for index, document in enumerate(documents):
-        digest = hashlib.sha256(f"{config['build_seed']}:{index}".encode()).digest()
-        draw = int.from_bytes(digest[:8], "little") / 2**64
-        by_split["validation" if draw < fraction else "train"].append(document)
-    out = {}
-    for split, docs in by_split.items():
-        if not docs:
-            continue
-        seed = config["build_seed"] + (0 if split == "train" else 1)
-        examples, skipped = _build_split(docs, tokenizer, options, seed, config)
-        for reason, count in skipped.items():
-            logging.warning("Data build (%s) skipped %d %s", split, count, reason)
-        if examples:
-            out[split] = examples
-        else:
-            logging.warning("Data build: the %s split has no examples; it is left out", split)
-    if not out.get("train"):
-        raise DataError(
-            f"config.data.source={config['source']!r} gave no training examples "
-            f"({len(documents)} documents; too short or all held out for validation)"
-        )
-    logging.info(
-        "Built %s examples at seq %d",
-        {k: len(v) for k, v in out.items()},
-        options.max_seq_length,
+def _options(config: dict, tokenizer, max_seq_length: int) -> examples_lib.ExampleOptions:
+    special = tokenization.special_ids(tokenizer)
+    return examples_lib.ExampleOptions(
+        max_seq_length=max_seq_length,
+        next_sentence_prediction=config["next_sentence_prediction"],
+        short_seq_prob=config["short_seq_prob"],
+        cls_id=special["cls"],
+        sep_id=special["sep"],
     )
-    return out
+
+
+def _complete(directory: str) -> bool:
+    return (epath.Path(directory) / "dataset_info.json").exists()
+
+
+def _find(config: dict, seq_lengths: list[int], data_dir: str) -> dict[int, Prepared] | None:
+    """The complete datasets at every length, or None if any (or the vocabulary) is missing."""
+    vocab_file = _vocab_path(config, data_dir)
+    if config["vocab"] == "train" and not epath.Path(vocab_file).exists():
+        return None
+    tokenizer = tokenization.load(vocab_file, config["lower_case"])
+    found = {}
+    for seq in seq_lengths:
+        directory = _dataset_dir(config, vocab_file, _options(config, tokenizer, seq), data_dir)
+        if not _complete(directory):
+            return None
+        found[seq] = _read(directory, tokenizer, vocab_file, seq, config)
+    return found
+
+
+def _read(directory, tokenizer, vocab_file, seq, config) -> Prepared:
+    builder = tfds.builder_from_directory(directory)
+    vocab = tokenizer.get_vocab()
+    return Prepared(
+        data_sources={split: builder.as_data_source(split=split) for split in builder.info.splits},
+        vocab_file=vocab_file,
+        vocab_size=tokenizer.get_vocab_size(),
+        special_ids=tokenization.special_ids(tokenizer),
+        continuation_ids=tuple(sorted(i for t, i in vocab.items() if t.startswith("##"))),
+        max_seq_length=seq,
+        data_config=config,
+        directory=directory,
+    )
+
+
+def _missing(config: dict, seq_lengths: list[int], data_dir: str) -> str:
+    """One line naming what is not built."""
+    vocab_file = _vocab_path(config, data_dir)
+    if config["vocab"] == "train" and not epath.Path(vocab_file).exists():
+        return f"the vocabulary and pretraining examples of config.data are not built in {data_dir}"
+    tokenizer = tokenization.load(vocab_file, config["lower_case"])
+    missing = [
+        seq
+        for seq in seq_lengths
+        if not _complete(
+            _dataset_dir(config, vocab_file, _options(config, tokenizer, seq), data_dir)
+        )
+    ]
+    lengths = ", ".join(str(s) for s in missing)
+    return f"the pretraining examples at max_seq_length {lengths} are not built in {data_dir}"
+
+
+def _units(config: dict) -> list[sources.Unit]:
+    return sources.list_units(
+        config["source"],
+        unit_bytes=int(config["build_shard_mb"] * 1e6),
+        tfds_data_dir=config["tfds_data_dir"],
+    )
+
+
+def _train_vocab(config: dict, units: list[sources.Unit], path: str) -> None:
+    """Streams the corpus, or a fixed sample of it, through the WordPiece trainer."""
+    total_mb = sum(u.size_bytes for u in units) / 1e6
+    sample_mb = config["vocab_sample_mb"]
+    every = max(1, math.ceil(total_mb / sample_mb)) if sample_mb else 1
+    sample = units[::every]
+    skipped: dict[str, int] = {}
+    read = {"documents": 0}
+
+    def documents():
+        for unit in sample:
+            unit_documents, unit_skipped = sources.read_unit(unit)
+            for reason, count in unit_skipped.items():
+                skipped[reason] = skipped.get(reason, 0) + count
+            read["documents"] += len(unit_documents)
+            yield from unit_documents
+
+    logging.info("Training a vocabulary on %d of %d input shards", len(sample), len(units))
+    epath.Path(path).parent.mkdir(parents=True, exist_ok=True)
+    # Written beside, then moved into place: a crash never leaves a partial vocabulary (a
+    # rerun trains it again; on GCS the final write is a single object upload).
+    temporary = epath.Path(path).with_name("vocab.txt.incomplete")
+    tokenization.train_vocab(documents, config["vocab_size"], config["lower_case"], temporary)
+    if not read["documents"]:
+        temporary.unlink(missing_ok=True)
+        if skipped.get("files not UTF-8"):
+            raise DataError(
+                f"config.data.source={config['source']!r}: no file could be decoded as UTF-8 "
+                f"({len(sample)} files)"
+            )
+        raise DataError(f"config.data.source={config['source']!r} holds no text")
+    temporary.copy(path, overwrite=True)
+    temporary.unlink(missing_ok=True)
+
+
+def _build(config: dict, seq_lengths: list[int], data_dir: str, beam_options: str | None):
+    from lambjax.data import beam_build
+
+    units = _units(config)
+    options = beam_build.pipeline_options(beam_options, len(units))  # bad options fail early
+    runner = options.get_all_options()["runner"]
+    if runner != "DirectRunner" and "://" not in data_dir:
+        raise DataError(
+            f"config.data.data_dir={data_dir!r} is local, but runner={runner} writes from its "
+            "own machines: give a data_dir they can reach (gs://BUCKET/...)"
+        )
+    vocab_file = _vocab_path(config, data_dir)
+    if config["vocab"] == "train" and not epath.Path(vocab_file).exists():
+        _train_vocab(config, units, vocab_file)
+    tokenizer = tokenization.load(vocab_file, config["lower_case"])
+    targets = []
+    for seq in seq_lengths:
+        example_options = _options(config, tokenizer, seq)
+        directory = _dataset_dir(config, vocab_file, example_options, data_dir)
+        if not _complete(directory):
+            epath.Path(directory).mkdir(parents=True, exist_ok=True)
+            targets.append(beam_build.Target(directory, example_options))
+    plan = beam_build.Plan(
+        vocab=tokenization.read_vocab(vocab_file),
+        lower_case=config["lower_case"],
+        validation_fraction=config["validation_fraction"],
+        build_seed=config["build_seed"],
+        num_shards=len(units),
+        targets=tuple(targets),
+    )
+    logging.info(
+        "Building pretraining examples at seq %s from %d input shards in %s",
+        [t.options.max_seq_length for t in targets],
+        len(units),
+        data_dir,
+    )
+    return beam_build.run(units, plan, options)
+
+
+@contextlib.contextmanager
+def _build_lock(data_dir: str):
+    """One build at a time across processes sharing a local data_dir (e.g. the trials of a
+    sweep): the others wait for it, then find what it built."""
+    if "://" in data_dir:
+        yield
+        return
+    os.makedirs(data_dir, exist_ok=True)
+    with open(os.path.join(data_dir, ".build.lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)

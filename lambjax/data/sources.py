@@ -1,44 +1,96 @@
-"""Where pretraining text comes from: `config.data.source`.
+"""Where pretraining text comes from: `config.data.source`, cut into units of work.
 
 embedded          CPython's pydoc_data.topics (~465K characters of English; every Python
                   ships it, so the demo and tests run offline). One document per topic.
-text:GLOB         local text files; documents are separated by blank lines.
+text:GLOB         text files, local or gs://; documents are separated by blank lines.
 tfds:NAME[:SPLIT] any TFDS dataset with a text feature (default split: train), read
                   through TFDS from its data dir (it must already be prepared there).
+
+The build works on `Unit`s, each read on its own by one worker (Google's
+create_pretraining_data runs once per input file, for the same reason): a text file is one
+unit, a file larger than `unit_bytes` is cut into byte ranges whose edges move forward to
+the next document boundary (the position after a blank line, "\\n\\n"), and a `tfds:` split
+is cut into record ranges of about `unit_bytes` of data. A unit owns the documents that
+start inside its range, so the units cover every document exactly once. Every path goes
+through etils' epath, which reads gs:// as well as local disk.
 """
 
-import glob
+import dataclasses
 import hashlib
+import math
 import os
+import re
 
 from absl import logging
+from etils import epath
+
+_GLOB_CHARS = re.compile(r"[*?\[]")
+_BOUNDARY = b"\n\n"
+_READ_AHEAD = 1 << 16  # bytes read past a range's end to find the next boundary
 
 
 class DataError(ValueError):
     """Bad data input (path, corpus, vocabulary); the message is one line for the user."""
 
 
-def read_documents(source: str, *, tfds_data_dir: str | None = None) -> tuple[list[str], dict]:
-    """Returns (documents, skipped counts by reason)."""
+@dataclasses.dataclass(frozen=True)
+class Unit:
+    """One unit of work: a text file's byte range, or a TFDS split's record range."""
+
+    index: int
+    kind: str  # "embedded" | "text" | "tfds"
+    path: str = ""  # text: the file; tfds: NAME[:SPLIT]
+    start: int = 0  # text: byte offset; tfds: record index
+    end: int = 0  # exclusive
+    size_bytes: int = 0  # of text, or an estimate for tfds (progress and MB/s)
+    tfds_data_dir: str | None = None
+
+
+def check_source(source: str) -> None:
+    if source != "embedded" and not source.startswith(("text:", "tfds:")):
+        raise DataError(
+            f"config.data.source={source!r} is not a known source; valid: 'embedded', "
+            "'text:GLOB', 'tfds:NAME[:SPLIT]'"
+        )
+
+
+def list_units(source: str, *, unit_bytes: int, tfds_data_dir: str | None = None) -> list[Unit]:
+    """The source's units of work, in a fixed order (the shard order of the build)."""
+    check_source(source)
     if source == "embedded":
-        return _embedded(), {}
+        return [Unit(0, "embedded", size_bytes=sum(len(d.encode()) for d in _embedded()))]
     if source.startswith("text:"):
-        return _text_files(source[len("text:") :])
-    if source.startswith("tfds:"):
-        return _tfds(source[len("tfds:") :], tfds_data_dir), {}
-    raise DataError(
-        f"config.data.source={source!r} is not a known source; valid: 'embedded', "
-        "'text:GLOB', 'tfds:NAME[:SPLIT]'"
-    )
+        return _text_units(source[len("text:") :], unit_bytes)
+    return _tfds_units(source[len("tfds:") :], unit_bytes, tfds_data_dir)
+
+
+def read_unit(unit: Unit) -> tuple[list[str], dict[str, int]]:
+    """(documents of `unit`, skipped counts by reason)."""
+    if unit.kind == "embedded":
+        return _embedded(), {}
+    if unit.kind == "text":
+        return _read_text_range(unit)
+    return _read_tfds_range(unit), {}
+
+
+def read_documents(source: str, *, tfds_data_dir: str | None = None) -> tuple[list[str], dict]:
+    """Every document of a (small) source in one list, with skipped counts by reason."""
+    documents, skipped = [], {}
+    for unit in list_units(source, unit_bytes=1 << 62, tfds_data_dir=tfds_data_dir):
+        unit_documents, unit_skipped = read_unit(unit)
+        documents += unit_documents
+        for reason, count in unit_skipped.items():
+            skipped[reason] = skipped.get(reason, 0) + count
+    return documents, skipped
 
 
 def fingerprint(source: str, *, tfds_data_dir: str | None = None) -> str:
     """Identifies the source's content cheaply (paths, sizes, mtimes) for build reuse."""
     digest = hashlib.sha256(source.encode())
     if source.startswith("text:"):
-        for path in sorted(glob.glob(source[len("text:") :], recursive=True)):
-            stat = os.stat(path)
-            digest.update(f"{path}:{stat.st_size}:{stat.st_mtime_ns}".encode())
+        for path in _glob(source[len("text:") :]):
+            stat = path.stat()
+            digest.update(f"{path}:{stat.length}:{stat.mtime}".encode())
     elif source.startswith("tfds:"):
         digest.update(str(tfds_data_dir).encode())
     return digest.hexdigest()
@@ -50,31 +102,72 @@ def _embedded() -> list[str]:
     return [text for _, text in sorted(topics.topics.items()) if text.strip()]
 
 
-def _text_files(pattern: str) -> tuple[list[str], dict]:
-    paths = sorted(p for p in glob.glob(pattern, recursive=True) if os.path.isfile(p))
+def _glob(pattern: str) -> list[epath.Path]:
+    """Files matching `pattern` (`**` recurses), sorted; the fixed part may be gs://."""
+    pattern = os.path.expanduser(pattern)
+    match = _GLOB_CHARS.search(pattern)
+    if match is None:
+        path = epath.Path(pattern)
+        return [path] if path.is_file() else []
+    base, _, _ = pattern[: match.start()].rpartition("/")
+    rest = pattern[len(base) + 1 :] if base else pattern
+    root = epath.Path(base or ("/" if pattern.startswith("/") else "."))
+    if not root.is_dir():
+        return []
+    return sorted((p for p in root.glob(rest) if p.is_file()), key=str)
+
+
+def _text_units(pattern: str, unit_bytes: int) -> list[Unit]:
+    paths = _glob(pattern)
     if not paths:
         raise DataError(f"text:{pattern} matches no files")
-    documents, skipped = [], {}
+    units = []
     for path in paths:
-        with open(path, "rb") as f:
-            raw = f.read()
-        try:
-            text = raw.decode("utf-8")
-        except UnicodeDecodeError as e:
-            logging.warning("Skipping %s: not UTF-8 (%s)", path, e)
-            skipped["files not UTF-8"] = skipped.get("files not UTF-8", 0) + 1
-            continue
-        documents += [d for d in text.replace("\r\n", "\n").split("\n\n") if d.strip()]
-    if skipped and not documents:
-        raise DataError(f"text:{pattern}: no file could be decoded as UTF-8 ({len(paths)} files)")
-    return documents, skipped
+        size = path.stat().length
+        pieces = max(1, math.ceil(size / unit_bytes))
+        edges = [size * i // pieces for i in range(pieces + 1)]
+        for start, end in zip(edges[:-1], edges[1:], strict=True):
+            units.append(Unit(len(units), "text", str(path), start, end, end - start))
+    return units
 
 
-def _tfds(spec: str, data_dir: str | None) -> list[str]:
+def _read_text_range(unit: Unit) -> tuple[list[str], dict[str, int]]:
+    with epath.Path(unit.path).open("rb") as f:
+        begin = _next_boundary(f, unit.start)
+        finish = _next_boundary(f, unit.end)
+        f.seek(begin)
+        raw = f.read(max(0, finish - begin))
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        logging.warning("Skipping %s [%d:%d]: not UTF-8 (%s)", unit.path, begin, finish, e)
+        return [], {"files not UTF-8": 1}
+    return [d for d in text.replace("\r\n", "\n").split("\n\n") if d.strip()], {}
+
+
+def _next_boundary(f, offset: int) -> int:
+    """The first document start at or after `offset`: 0, a position just after "\\n\\n",
+    or the end of the file."""
+    if offset == 0:
+        return 0
+    position, carry = max(0, offset - 2), b""
+    f.seek(position)  # a "\n\n" ending at `offset` makes `offset` itself a boundary
+    while True:
+        chunk = f.read(_READ_AHEAD)
+        if not chunk:
+            return position + len(carry)
+        window = carry + chunk
+        found = window.find(_BOUNDARY)
+        if found >= 0:
+            return position + found + len(_BOUNDARY)
+        position += len(window) - 1
+        carry = window[-1:]
+
+
+def _tfds_builder(spec: str, data_dir: str | None):
     import tensorflow_datasets as tfds
 
     name, _, split = spec.partition(":")
-    split = split or "train"
     try:
         builder = tfds.builder(name, data_dir=data_dir)
     except Exception as e:  # noqa: BLE001 - TFDS raises many kinds for an unknown name
@@ -88,8 +181,34 @@ def _tfds(spec: str, data_dir: str | None) -> list[str]:
     text_keys = [k for k, f in features.items() if isinstance(f, tfds.features.Text)]
     if not text_keys:
         raise DataError(f"tfds:{spec}: dataset {name!r} has no text feature ({list(features)})")
-    key = "text" if "text" in text_keys else text_keys[0]
-    dataset = builder.as_dataset(split=split)
+    if (split or "train") not in builder.info.splits:
+        raise DataError(
+            f"tfds:{spec}: dataset {name!r} has no split {split or 'train'!r}; "
+            f"splits: {sorted(builder.info.splits)}"
+        )
+    return builder, split or "train", "text" if "text" in text_keys else text_keys[0]
+
+
+def _tfds_units(spec: str, unit_bytes: int, data_dir: str | None) -> list[Unit]:
+    builder, split, _ = _tfds_builder(spec, data_dir)
+    info = builder.info.splits[split]
+    records, total_bytes = info.num_examples, max(1, info.num_bytes)
+    per_unit = max(1, math.ceil(records * unit_bytes / total_bytes)) if records else 1
+    units = []
+    for start in range(0, records, per_unit):
+        end = min(records, start + per_unit)
+        estimate = total_bytes * (end - start) // max(1, records)
+        units.append(Unit(len(units), "tfds", spec, start, end, estimate, data_dir))
+    if not units:
+        raise DataError(f"tfds:{spec}: split {split!r} holds no records")
+    return units
+
+
+def _read_tfds_range(unit: Unit) -> list[str]:
+    import tensorflow_datasets as tfds
+
+    builder, split, key = _tfds_builder(unit.path, unit.tfds_data_dir)
+    dataset = builder.as_dataset(split=f"{split}[{unit.start}:{unit.end}]", shuffle_files=False)
     return [
         example[key].decode("utf-8") for example in tfds.as_numpy(dataset) if example[key].strip()
     ]

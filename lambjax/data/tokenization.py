@@ -1,16 +1,30 @@
-"""WordPiece tokenization through `tokenizers`: a BERT vocab.txt, or one trained on the corpus."""
+"""WordPiece tokenization through `tokenizers`: a BERT vocab.txt, or one trained on the corpus.
 
-import os
+Training streams the documents through `train_from_iterator`, so its memory is the
+trainer's word counts, not the corpus. Vocabulary files are read and written through
+etils' epath (local or gs://).
+"""
+
+from collections.abc import Callable, Iterable
 
 import tokenizers
+from etils import epath
 
 from lambjax.data.sources import DataError
 
 SPECIAL_TOKENS = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")
 
 
-def train_vocab(documents: list[str], vocab_size: int, lower_case: bool, path: str) -> str:
+def train_vocab(
+    documents: list[str] | Callable[[], Iterable[str]],
+    vocab_size: int,
+    lower_case: bool,
+    path: str,
+) -> str:
     """Trains a WordPiece vocabulary on the documents and writes it to `path` (vocab.txt).
+
+    `documents` is a list, or a function returning a fresh iterator over them (they are
+    read twice, streamed).
 
     The same documents give the same file in every process. `tokenizers`' trainer numbers
     the continuation symbols (##x) in hash-map order, which changes from process to process,
@@ -20,11 +34,11 @@ def train_vocab(documents: list[str], vocab_size: int, lower_case: bool, path: s
     """
     if vocab_size < len(SPECIAL_TOKENS) + 100:
         raise DataError(f"config.data.vocab_size={vocab_size} is too small (at least 105)")
-    first = _train(documents, vocab_size, lower_case, SPECIAL_TOKENS)
+    stream = documents if callable(documents) else (lambda: iter(documents))
+    first = _train(stream(), vocab_size, lower_case, SPECIAL_TOKENS)
     continuation = sorted(token for token in first if token.startswith("##") and len(token) == 3)
-    vocab = _train(documents, vocab_size, lower_case, SPECIAL_TOKENS + tuple(continuation))
-    with open(path, "w", encoding="utf-8") as f:
-        f.writelines(token + "\n" for token in vocab)
+    vocab = _train(stream(), vocab_size, lower_case, SPECIAL_TOKENS + tuple(continuation))
+    epath.Path(path).write_text("".join(token + "\n" for token in vocab), encoding="utf-8")
     return path
 
 
@@ -39,14 +53,26 @@ def _train(documents, vocab_size: int, lower_case: bool, reserved: tuple[str, ..
 
 def load(vocab_file: str, lower_case: bool) -> tokenizers.Tokenizer:
     """A BERT tokenizer for `vocab_file`; errors name the file and what is wrong."""
-    if not os.path.isfile(vocab_file):
+    path = epath.Path(vocab_file)
+    if not path.is_file():
         raise DataError(f"config.data.vocab={vocab_file!r}: no such vocabulary file")
-    with open(vocab_file, encoding="utf-8") as f:
-        tokens = {line.rstrip("\n") for line in f}
+    tokens = read_vocab(vocab_file)
     missing = [t for t in ("[CLS]", "[SEP]", "[MASK]", "[PAD]", "[UNK]") if t not in tokens]
     if missing:
         raise DataError(f"vocabulary {vocab_file} lacks the special tokens {missing}")
-    return tokenizers.BertWordPieceTokenizer(vocab_file, lowercase=lower_case)
+    return from_vocab(tokens, lower_case)
+
+
+def read_vocab(vocab_file: str) -> dict[str, int]:
+    """token -> id of a vocab.txt (one token a line, ids in line order)."""
+    lines = epath.Path(vocab_file).read_text(encoding="utf-8").split("\n")
+    if lines and lines[-1] == "":
+        lines.pop()
+    return {token: index for index, token in enumerate(lines)}
+
+
+def from_vocab(vocab: dict[str, int], lower_case: bool) -> tokenizers.Tokenizer:
+    return tokenizers.BertWordPieceTokenizer(vocab, lowercase=lower_case)
 
 
 def special_ids(tokenizer) -> dict[str, int]:

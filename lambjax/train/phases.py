@@ -15,6 +15,7 @@ Restore order, for the phase about to run:
 
 import dataclasses
 import functools
+import sys
 from collections.abc import Callable
 
 import jax
@@ -22,7 +23,7 @@ import optax
 from absl import logging
 
 from lambjax import data as data_lib
-from lambjax import distributed, optim, sharding
+from lambjax import optim, sharding
 from lambjax.models import bert
 from lambjax.train import checkpointing, stacking, throughput
 from lambjax.train import config as config_lib
@@ -124,7 +125,7 @@ class Phase:
 
 def build_phase(config, name: str, index: int, step_offset: int) -> Phase:
     phase_config = config.phases[name]
-    prepared = prepare_data(config.data, phase_config.max_seq_length)
+    prepared = prepare_data(config, phase_config.max_seq_length)
     model_config = config_lib.model_config(config, prepared.vocab_size, name)
     if phase_config.max_seq_length > model_config.max_position_embeddings:
         raise config_lib.ConfigError(
@@ -153,14 +154,36 @@ def build_phase(config, name: str, index: int, step_offset: int) -> Phase:
     )
 
 
-def prepare_data(data_config, max_seq_length: int) -> data_lib.Prepared:
-    """Process 0 builds the dataset (if needed) before the others look for it."""
-    if jax.process_index() == 0:
-        prepared = data_lib.prepare(data_config, max_seq_length)
-    distributed.barrier(f"data-{max_seq_length}")
-    if jax.process_index() != 0:
-        prepared = data_lib.prepare(data_config, max_seq_length)
-    return prepared
+def prepare_data(config, max_seq_length: int) -> data_lib.Prepared:
+    """The dataset of the phase at `max_seq_length`.
+
+    A single-host run builds what is missing, for every phase of the run at once (one Beam
+    pipeline, on the DirectRunner). A multi-host run never builds: that is
+    `python -m lambjax.prepare`'s job, run once before the pod starts, and a run whose data
+    is missing stops here, before anything is compiled, naming that command.
+    """
+    lengths = sorted({config.phases[name].max_seq_length for name in config.phase_order})
+    lengths = sorted(set(lengths) | {max_seq_length})
+    if jax.process_count() == 1:
+        return data_lib.prepare_all(config.data, lengths)[max_seq_length]
+    try:
+        return data_lib.prepare_all(config.data, lengths, build=False)[max_seq_length]
+    except data_lib.NotPrepared as error:
+        raise data_lib.NotPrepared(
+            f"{error}; a run on {jax.process_count()} processes does not build data: run "
+            f"`{prepare_command()}` once first"
+        ) from None
+
+
+def prepare_command() -> str:
+    """`python -m lambjax.prepare` with this run's --config flags."""
+    argv, args = sys.argv[1:], []
+    for index, arg in enumerate(argv):
+        if arg == "--config" and index + 1 < len(argv):
+            args += [arg, argv[index + 1]]
+        elif arg.startswith(("--config=", "--config.", "--noconfig.")):
+            args.append(arg)
+    return " ".join(["python -m lambjax.prepare", *args])
 
 
 def initial_state(

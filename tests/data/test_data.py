@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 
 from lambjax import data
+from lambjax.data import beam_build, masking, sources
 from lambjax.data import builder as builder_lib
-from lambjax.data import masking
 
 SEQ = 128
 PRED = 20
@@ -170,64 +170,57 @@ def test_text_source_builds_a_tfds_dataset_and_reuses_it(tmp_path):
     assert np.all(b["segment_ids"] == 0) and np.all(b["next_sentence_labels"] == 0)
 
 
-def test_large_corpus_builds_in_parallel_shards_deterministically(tmp_path):
+def test_byte_ranges_cover_every_document_once(tmp_path):
     corpus = tmp_path / "c.txt"
-    corpus.write_text(_documents(60))
-    records = []
-    for name in ("a", "b"):
-        c = config(tmp_path / name, source=f"text:{corpus}", vocab_size=200)
-        c.build_shard_documents = 20  # 3 shards, built by worker processes
-        prepared = data.prepare(c, 64)
-        source = prepared.data_sources["train"]
-        records.append([source[i]["input_ids"].tolist() for i in range(len(source))])
-    assert len(records[0]) > 20
-    assert records[0] == records[1]
+    corpus.write_text(_documents(60) + "\n\n\n\nLast one.\n")
+    whole, _ = sources.read_unit(sources.list_units(f"text:{corpus}", unit_bytes=1 << 30)[0])
+    units = sources.list_units(f"text:{corpus}", unit_bytes=500)
+    assert len(units) > 5
+    pieces = [d for unit in units for d in sources.read_unit(unit)[0]]
+    assert pieces == whole and len(whole) == 61
 
 
-def test_interrupted_build_never_looks_complete(tmp_path, monkeypatch):
+def test_one_and_two_workers_write_the_same_records(tmp_path):
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    for index in range(3):
+        (corpus / f"{index}.txt").write_text(_documents(40 + 10 * index, seed=index))
+    built = []
+    for workers in (1, 2):  # in-process, then two DirectRunner worker processes
+        c = config(tmp_path / f"w{workers}", source=f"text:{corpus}/*.txt", vocab_size=200)
+        c.build_shard_mb = 0.002  # several byte ranges per file
+        data.prepare(c, 64, beam_options=f"direct_num_workers={workers}")
+        (directory,) = (tmp_path / f"w{workers}" / "pretraining_examples").iterdir()
+        files = sorted((directory / "1.0.0").glob("pretraining_examples-*"))
+        built.append({f.name: f.read_bytes() for f in files})
+    assert len(built[0]) > 10 and built[0] == built[1]
+
+
+def test_interrupted_build_never_looks_complete_and_a_rerun_finishes(tmp_path, monkeypatch):
     corpus = tmp_path / "c.txt"
-    corpus.write_text(_documents(20))
+    corpus.write_text(_documents(40))
     c = config(tmp_path / "out", source=f"text:{corpus}", vocab_size=200)
+    c.build_shard_mb = 0.002
+    create_examples, calls = builder_lib.examples_lib.create_examples, []
 
-    def crash(*args, **kwargs):
-        raise KeyboardInterrupt
+    def crash_after_one_unit(*args, **kwargs):
+        calls.append(1)
+        if len(calls) > 2:  # a unit's two splits, then the crash
+            raise RuntimeError("interrupted")
+        return create_examples(*args, **kwargs)
 
     with monkeypatch.context() as m:
-        m.setattr(builder_lib.examples_lib, "create_examples", crash)
-        with pytest.raises(KeyboardInterrupt):
-            data.prepare(c, 64)
-    prepared = data.prepare(c, 64)  # a clean rebuild, not a half-written dataset
+        m.setattr(beam_build.examples_lib, "create_examples", crash_after_one_unit)
+        with pytest.raises(Exception, match="interrupted"):
+            data.prepare(c, 64, beam_options="direct_num_workers=1")
+    with pytest.raises(data.NotPrepared, match="max_seq_length 64 are not built"):
+        data.prepare(c, 64, build=False)
+    summaries = []
+    prepared = data.prepare_all(
+        c, [64], beam_options="direct_num_workers=1", on_summary=summaries.append
+    )[64]
+    assert summaries[0].reused_units == 1 and summaries[0].num_units > 2
     assert prepared.num_examples("train") > 0
-
-
-def test_tfds_source(tmp_path):
-    import tensorflow_datasets as tfds
-
-    class TinyText(tfds.core.GeneratorBasedBuilder):
-        VERSION = tfds.core.Version("1.0.0")
-
-        def _info(self):
-            return self.dataset_info_from_configs(
-                features=tfds.features.FeaturesDict({"text": tfds.features.Text()})
-            )
-
-        def _split_generators(self, dl_manager):
-            return {"train": self._generate_examples()}
-
-        def _generate_examples(self):
-            for i, doc in enumerate(_documents(30).split("\n\n")):
-                yield i, {"text": doc}
-
-    TinyText(data_dir=str(tmp_path / "tfds")).download_and_prepare()
-    c = config(
-        tmp_path / "out",
-        source="tfds:tiny_text",
-        tfds_data_dir=str(tmp_path / "tfds"),
-        vocab_size=200,
-    )
-    assert data.prepare(c, 64).num_examples("train") > 5
-    with pytest.raises(data.DataError, match="not prepared|cannot open"):
-        data.prepare(config(tmp_path / "out", source="tfds:no_such_dataset_xyz"), 64)
 
 
 @pytest.mark.parametrize(
@@ -251,17 +244,21 @@ def test_bad_inputs_give_one_line_errors(tmp_path, setup, message):
     assert "\n" not in str(error.value)
 
 
-def test_undecodable_files_and_short_documents_are_counted_and_skipped(tmp_path, caplog):
+def test_undecodable_files_and_short_documents_are_counted_and_skipped(tmp_path):
     corpus = tmp_path / "corpus"
     corpus.mkdir()
     (corpus / "good.txt").write_text(_documents(30) + "\n\nTiny.\n\nx")
     (corpus / "bad.txt").write_bytes(b"\xff\xfe broken")
-    prepared = data.prepare(
-        config(tmp_path / "out", source=f"text:{corpus}/*.txt", vocab_size=200), 64
-    )
+    summaries = []
+    c = config(tmp_path / "out", source=f"text:{corpus}/*.txt", vocab_size=200)
+    prepared = data.prepare_all(
+        c, [64], beam_options="direct_num_workers=1", on_summary=summaries.append
+    )[64]
     assert prepared.num_examples("train") > 0
-    assert "skipped 1 files not UTF-8" in caplog.text
-    assert "documents too short" in caplog.text
+    assert summaries[0].skipped["files not UTF-8"] == 1
+    assert summaries[0].skipped["documents too short"] >= 1
+    line = builder_lib.summary_line(summaries[0], c.data_dir)
+    assert "1 files not UTF-8" in line and "\n" not in line
 
 
 def _write(path, text):
@@ -274,9 +271,9 @@ def _write_bytes(path, raw):
     return str(path)
 
 
-def _documents(n):
+def _documents(n, seed=0):
     words = "alpha beta gamma delta epsilon zeta theta kappa lambda sigma omega".split()
-    rng = np.random.default_rng(0)
+    rng = np.random.default_rng(seed)
     docs = []
     for _ in range(n):
         sentences = [

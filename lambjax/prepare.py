@@ -1,0 +1,74 @@
+r"""Builds a config's pretraining data once, ahead of training: `python -m lambjax.prepare`.
+
+  python -m lambjax.prepare --config=configs/default.py \
+      [--config.data.source=text:GLOB --config.data.data_dir=DIR ...] \
+      [--beam_pipeline_options=KEY=VALUE,...]
+
+It takes the same config and flags as `python -m lambjax.main`, builds the vocabulary
+(`data.vocab=train`) and, for every phase's `max_seq_length`, the dataset of examples under
+`data.data_dir`, so that training finds exactly what it built; then prints one summary
+line. The build is one Apache Beam pipeline (lambjax.data.beam_build). Its options read as
+`tfds build --beam_pipeline_options`: by default the DirectRunner, one worker process per
+core; `direct_num_workers=1` for one; `runner=DataflowRunner,project=P,region=R,
+temp_location=gs://B/tmp` runs it on Dataflow (its workers install lambjax from this source
+tree's setup.py unless `setup_file`, `requirements_file` or `sdk_container_image` is
+given). A bad option ends the command with one line and exit status 2.
+"""
+
+import os
+import sys
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import logging as std_logging
+
+from absl import app, flags, logging
+from ml_collections import config_flags
+
+from lambjax import cli
+
+_CONFIG = config_flags.DEFINE_config_file("config", None, "Experiment config file.")
+_BEAM_OPTIONS = flags.DEFINE_string(
+    "beam_pipeline_options",
+    None,
+    "Apache Beam options, KEY=VALUE,... (e.g. direct_num_workers=1, or runner=DataflowRunner,"
+    "project=P,region=R,temp_location=gs://B/tmp).",
+)
+flags.mark_flags_as_required(["config"])
+
+PROGRAM = "lambjax.prepare"
+
+
+def main(argv):
+    if len(argv) > 1:
+        raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+    if not flags.FLAGS["verbosity"].present:  # Beam and TFDS log much at INFO
+        logging.set_verbosity(logging.WARNING)
+        std_logging.getLogger("apache_beam").setLevel(std_logging.WARNING)
+    from lambjax import data
+    from lambjax.data import beam_build, builder
+
+    config = _CONFIG.value
+    lengths = sorted({config.phases[name].max_seq_length for name in config.phase_order})
+    data_dir = config.data.data_dir or builder.default_data_dir()
+    built = []
+    try:
+        beam_build.pipeline_options(_BEAM_OPTIONS.value, num_units=1)  # fail before any work
+        prepared = data.prepare_all(
+            config.data,
+            lengths,
+            beam_options=_BEAM_OPTIONS.value,
+            on_summary=lambda summary: built.append(builder.summary_line(summary, data_dir)),
+        )
+    except data.DataError as error:
+        cli.fail(PROGRAM, str(error))
+    if built:
+        print(built[0])
+    else:
+        found = ", ".join(f"seq {s}: {p.directory}" for s, p in sorted(prepared.items()))
+        print(f"prepare: nothing to build; already complete ({found})")
+    sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    app.run(main, flags_parser=cli.flags_parser(PROGRAM))

@@ -1,0 +1,67 @@
+"""`python -m lambjax.prepare` as a user runs it, and what training does with its result."""
+
+import re
+import sys
+
+import jax
+import pytest
+
+from lambjax import cli, data
+from lambjax.data import beam_build
+from lambjax.train import phases
+from tests.helpers import run
+
+CONFIG = "configs/default.py:runlocal"
+
+
+def prepare_command(data_dir, *flags):
+    return [
+        sys.executable,
+        "-m",
+        "lambjax.prepare",
+        f"--config={CONFIG}",
+        f"--config.data.data_dir={data_dir}",
+        *flags,
+    ]
+
+
+def test_multi_host_run_stops_then_finds_what_prepare_built(tmp_path, monkeypatch):
+    config = cli.load_config(CONFIG)
+    config.data.data_dir = str(tmp_path)
+    seq = config.phases[config.phase_order[0]].max_seq_length
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    monkeypatch.setattr(sys, "argv", ["lambjax.main", f"--config={CONFIG}", "--workdir=/w"])
+    with pytest.raises(data.NotPrepared) as error:
+        phases.prepare_data(config, seq)
+    message = str(error.value)
+    assert "\n" not in message and f"python -m lambjax.prepare --config={CONFIG}`" in message
+
+    result = run(prepare_command(tmp_path, "--beam_pipeline_options=direct_num_workers=1"), 1)
+    summary = result.stdout.strip().splitlines()[-1]
+    assert summary.startswith("prepare: ") and "train" in summary and str(tmp_path) in summary
+    for name in config.phase_order:  # what training reads, and may not build on 2 hosts
+        prepared = phases.prepare_data(config, config.phases[name].max_seq_length)
+        assert prepared.num_examples("train") > 0
+    again = run(prepare_command(tmp_path), 1)
+    assert "nothing to build" in again.stdout
+
+
+def test_bad_beam_options_end_with_one_line(tmp_path):
+    options = "--beam_pipeline_options=runner=SomeRunner"
+    result = run(prepare_command(tmp_path, options), 1, check=False)
+    assert result.returncode == 2
+    last = result.stderr.strip().splitlines()[-1]
+    assert last == (
+        "lambjax.prepare: error: --beam_pipeline_options: runner='SomeRunner' is not a Beam "
+        "runner; valid: DataflowRunner, DirectRunner, FlinkRunner, PortableRunner, PrismRunner, "
+        "SparkRunner"
+    )
+    for spec, message in [
+        ("runner=DataflowRunner,project=p,region=r", "needs temp_location=..."),
+        ("direct_num_workers=0", "direct_num_workers=0 must be a positive integer"),
+        ("direct_num_workers", "'direct_num_workers' is not KEY=VALUE"),
+    ]:
+        with pytest.raises(data.DataError, match=re.escape(message)):
+            beam_build.pipeline_options(spec, num_units=4)
+    options = beam_build.pipeline_options(None, num_units=3).get_all_options()
+    assert options["runner"] == "DirectRunner" and options["direct_num_workers"] >= 1
