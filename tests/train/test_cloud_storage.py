@@ -28,8 +28,8 @@ def files(url: str) -> set[str]:
 
 
 @pytest.fixture(scope="module")
-def gcs_data_dir(data_dir):
-    return data_dir
+def gcs_data_dir(gcs_bucket):
+    return f"{gcs_bucket}/datasets"
 
 
 @pytest.fixture(scope="module")
@@ -39,7 +39,11 @@ def reference(gcs_bucket, gcs_data_dir):
     return workdir
 
 
-def test_two_phases_write_everything_to_the_bucket(reference, tmp_path):
+def test_two_phases_write_everything_to_the_bucket(reference, gcs_data_dir):
+    built = files(gcs_data_dir)  # the vocabulary and both phases' datasets, read from there
+    assert any(name.endswith("vocab.txt") for name in built)
+    assert sum(name.endswith("dataset_info.json") for name in built) == 2
+    assert any("array_record" in name for name in built)
     stored = files(reference)
     for phase, last in (("phase1", PHASE1_STEPS), ("phase2", PHASE2_STEPS)):
         assert f"checkpoints/{phase}/{last}/commit_success.txt" in stored
