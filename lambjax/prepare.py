@@ -19,13 +19,14 @@ import os
 import sys
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "0")  # TensorFlow 2.21's import notice
 
 import logging as std_logging
 
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from lambjax import cli
+from lambjax import cli, storage  # storage: before any gs:// access
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Experiment config file.")
 _BEAM_OPTIONS = flags.DEFINE_string(
@@ -52,6 +53,11 @@ def main(argv):
     lengths = sorted({config.phases[name].max_seq_length for name in config.phase_order})
     data_dir = config.data.data_dir or builder.default_data_dir()
     built = []
+    try:
+        for flag, path in data.paths(config.data):
+            storage.check_reachable(path, flag)
+    except storage.StorageError as error:
+        cli.fail(PROGRAM, str(error))
     try:
         beam_build.pipeline_options(_BEAM_OPTIONS.value, num_units=1)  # fail before any work
         prepared = data.prepare_all(

@@ -12,6 +12,7 @@ batches = data.make_iterator(prepared, split="train", global_batch_size=256,
 
 import ml_collections
 
+from lambjax import storage  # noqa: F401 - gs:// through lambjax's path layer, set up first
 from lambjax.data.builder import NotPrepared, Prepared, prepare, prepare_all
 from lambjax.data.pipeline import BatchIterator, make_iterator
 from lambjax.data.sources import DataError
@@ -60,3 +61,14 @@ __all__ = [
     "prepare",
     "prepare_all",
 ]
+
+
+def paths(data_config) -> list[tuple[str, str]]:
+    """(flag, path) of every path a data config names, for checks before any work."""
+    found = [("--config.data.data_dir", data_config.data_dir)]
+    found.append(("--config.data.tfds_data_dir", data_config.tfds_data_dir))
+    if data_config.vocab != "train":
+        found.append(("--config.data.vocab", data_config.vocab))
+    if data_config.source.startswith("text:"):
+        found.append(("--config.data.source", data_config.source[len("text:") :]))
+    return [(flag, path) for flag, path in found if path]

@@ -19,6 +19,7 @@ import numpy as np
 from absl import logging
 from clu import parameter_overview, periodic_actions
 
+from lambjax import data as data_lib
 from lambjax import distributed, sharding, storage
 from lambjax.train import checkpointing, phases
 from lambjax.train import config as config_lib
@@ -73,7 +74,7 @@ def train_and_evaluate(config, workdir: str) -> dict:
     workdir = workdir_lib.resolve(workdir)
     config_lib.validate(config, num_devices=jax.device_count(), process_count=jax.process_count())
     workdir_lib.check(config, workdir)
-    for flag, path in data_paths(config.data):
+    for flag, path in data_lib.paths(config.data):
         storage.check_reachable(path, flag)
     writer = metrics_lib.create_writer(workdir)
     stop = distributed.StopRequest()
@@ -91,17 +92,6 @@ def train_and_evaluate(config, workdir: str) -> dict:
         writer.close()
     log_summary(workdir, results)
     return results[-1].eval_metrics
-
-
-def data_paths(data_config) -> list[tuple[str, str]]:
-    """(flag, path) of every path the data config names."""
-    paths = [("--config.data.data_dir", data_config.data_dir)]
-    paths.append(("--config.data.tfds_data_dir", data_config.tfds_data_dir))
-    if data_config.vocab != "train":
-        paths.append(("--config.data.vocab", data_config.vocab))
-    if data_config.source.startswith("text:"):
-        paths.append(("--config.data.source", data_config.source[len("text:") :]))
-    return [(flag, path) for flag, path in paths if path]
 
 
 def run_phase(config, workdir: str, phase: Phase, writer, stop) -> PhaseResult:

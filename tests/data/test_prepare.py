@@ -65,3 +65,20 @@ def test_bad_beam_options_end_with_one_line(tmp_path):
             beam_build.pipeline_options(spec, num_units=4)
     options = beam_build.pipeline_options(None, num_units=3).get_all_options()
     assert options["runner"] == "DirectRunner" and options["direct_num_workers"] >= 1
+
+
+def test_prepare_into_a_bucket_and_a_missing_bucket(gcs_bucket):
+    """gs:// data_dir on the GCS emulator: built there, complete; a missing bucket: one line."""
+    from etils import epath
+
+    data_dir = f"{gcs_bucket}/prepared"
+    result = run(prepare_command(data_dir, "--beam_pipeline_options=direct_num_workers=1"), 1)
+    assert result.stdout.strip().splitlines()[-1].startswith("prepare: ")
+    built = [p.name for p in epath.Path(data_dir).glob("pretraining_examples/*/*/*")]
+    assert built.count("dataset_info.json") == 2  # both sequence lengths, complete
+    missing = run(prepare_command("gs://no-such-bucket/d"), 1, check=False)
+    assert missing.returncode == 2
+    assert missing.stderr.strip().splitlines()[-1] == (
+        "lambjax.prepare: error: --config.data.data_dir=gs://no-such-bucket/d: bucket "
+        "'no-such-bucket' does not exist (or is not visible)"
+    )

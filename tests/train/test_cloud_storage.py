@@ -126,12 +126,11 @@ def test_bad_storage_ends_the_start_with_one_line(gcs_bucket, tmp_path):
         "exist (or is not visible)"
     )
     from configs import default
-    from lambjax import storage
-    from lambjax.train import trainer
+    from lambjax import data, storage
 
     config = default.get_config("runlocal")
     config.data.data_dir = "gs://no-data-bucket/d"
-    ((flag, path),) = [p for p in trainer.data_paths(config.data) if p[1].startswith("gs://")]
+    ((flag, path),) = [p for p in data.paths(config.data) if p[1].startswith("gs://")]
     with pytest.raises(storage.StorageError, match="^--config.data.data_dir=gs://no-data-bucket"):
         storage.check_reachable(path, flag)
 
