@@ -14,7 +14,6 @@ that holds files is refused unless --overwrite.
 """
 
 import json
-import os
 import tempfile
 
 from absl import app, flags
@@ -34,9 +33,8 @@ def export_workdir(workdir: str, out: str, *, overwrite: bool = False) -> str:
     from lambjax import storage
     from lambjax.models import bert, hf
     from lambjax.train import checkpointing
-    from lambjax.train.workdir import resolve
 
-    workdir, out = resolve(workdir), resolve(out)
+    workdir, out = storage.resolve(workdir), storage.resolve(out)
     storage.check_reachable(workdir, "--workdir")
     storage.check_reachable(out, "--out")
     if not epath.Path(workdir).is_dir():
@@ -50,15 +48,12 @@ def export_workdir(workdir: str, out: str, *, overwrite: bool = False) -> str:
     config = bert.BertConfig(**meta["model_config"])
     vocab = meta.get("vocab_file")
     vocab = vocab if vocab and epath.Path(vocab).exists() else None
-    with tempfile.TemporaryDirectory(prefix="lambjax-export-") as scratch:
-        target = os.path.join(scratch, "out") if storage.is_remote(out) else out
+    with tempfile.TemporaryDirectory() as scratch, storage.local_folder(out) as target:
         local_vocab = storage.local_copy(vocab, scratch) if vocab else None
         hf.to_transformers(config, params, target, vocab_file=local_vocab)
         if vocab:
             lower_case = json.loads(meta["config"])["data"]["lower_case"]
             hf.save_tokenizer(target, local_vocab, lower_case, config.max_position_embeddings)
-        if target != out:
-            storage.copy_tree(target, out)
     tokenizer = (
         "with its tokenizer" if vocab else f"without a tokenizer ({meta.get('vocab_file')} is gone)"
     )

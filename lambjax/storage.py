@@ -28,6 +28,7 @@ complete when their last file (a marker) exists, Orbax marks finished checkpoint
 `commit_success.txt`, and append-only logs are written locally and mirrored whole.
 """
 
+import contextlib
 import os
 import shutil
 import tempfile
@@ -114,6 +115,19 @@ def write_text(path, text: str) -> None:
     temporary = path.parent / f"{path.name}.tmp"
     temporary.write_text(text)
     temporary.replace(path)
+
+
+@contextlib.contextmanager
+def local_folder(path: str):
+    """Yields a local folder to write `path`'s files into, for writers that need local disk
+    (safetensors, tokenizers): `path` itself if local, else a temporary folder that is copied
+    to `path` when the block ends."""
+    if not is_remote(path):
+        yield path
+        return
+    with tempfile.TemporaryDirectory(prefix="lambjax-out-") as scratch:
+        yield scratch
+        copy_tree(scratch, path)
 
 
 def copy_tree(source, destination) -> None:

@@ -70,9 +70,8 @@ def _finished_phases(workdir: str) -> list[tuple[int, str, int, dict, object]]:
 
 def from_workdir(workdir: str) -> Start:
     from lambjax.train import checkpointing
-    from lambjax.train.workdir import resolve
 
-    workdir = resolve(workdir)  # Orbax reads absolute paths only
+    workdir = storage.resolve(workdir)  # Orbax reads absolute paths only
     finished = _finished_phases(workdir)
     if not finished:
         raise FinetuneError(

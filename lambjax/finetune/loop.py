@@ -23,7 +23,6 @@ import dataclasses
 import functools
 import json
 import os
-import tempfile
 import time
 from typing import NamedTuple
 
@@ -143,9 +142,8 @@ def _vocabulary(config, start: init_lib.Start, workdir: str) -> str:
     path = epath.Path(workdir) / "vocab.txt"  # scratch: trained on the training texts
     if jax.process_index() == 0 and not path.exists():
         lower_case = True if config.lower_case is None else config.lower_case
-        local = os.path.join(tempfile.mkdtemp(prefix="lambjax-vocab-"), "vocab.txt")
-        tokenization.train_vocab(tasks.training_texts(config), config.vocab_size, lower_case, local)
-        storage.write_text(path, epath.Path(local).read_text())
+        texts = tasks.training_texts(config)
+        tokenization.train_vocab(texts, config.vocab_size, lower_case, os.fspath(path))
     distributed.barrier("finetune-vocab")
     return storage.local_copy(os.fspath(path))
 
@@ -414,18 +412,15 @@ def _export(run: Run, params, workdir: str) -> None:
         params = multihost_utils.process_allgather(params, tiled=True)
     params = jax.device_get(params)
     if jax.process_index() == 0:
-        out = os.path.join(workdir, "transformers")
-        local = tempfile.mkdtemp(prefix="lambjax-export-") if storage.is_remote(out) else out
-        hf.to_transformers_task(
-            run.model_config,
-            params,
-            local,
-            labels=run.task.labels,
-            vocab_file=run.vocab_file,
-            lower_case=run.lower_case,
-        )
-        if local != out:
-            storage.copy_tree(local, out)
+        with storage.local_folder(os.path.join(workdir, "transformers")) as out:
+            hf.to_transformers_task(
+                run.model_config,
+                params,
+                out,
+                labels=run.task.labels,
+                vocab_file=run.vocab_file,
+                lower_case=run.lower_case,
+            )
 
 
 def _summary(task: str, metrics: dict, workdir: str) -> str:

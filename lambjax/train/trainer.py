@@ -71,7 +71,7 @@ def compile_steps(phase: Phase) -> CompiledSteps:
 
 def train_and_evaluate(config, workdir: str) -> dict:
     """Runs the remaining phases; returns the last phase's final evaluation metrics."""
-    workdir = workdir_lib.resolve(workdir)
+    workdir = storage.resolve(workdir)
     config_lib.validate(config, num_devices=jax.device_count(), process_count=jax.process_count())
     workdir_lib.check(config, workdir)
     for flag, path in data_lib.paths(config.data):

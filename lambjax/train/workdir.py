@@ -55,9 +55,6 @@ class WorkdirError(ValueError):
     """The workdir cannot hold this run; the message names the path and what to do."""
 
 
-resolve = storage.resolve
-
-
 def check(config, workdir: str) -> None:
     """Raises WorkdirError unless `workdir` can hold a run of `config` (see the module doc)."""
     ensure_writable(workdir)
