@@ -5,7 +5,7 @@
   python -m lambjax.main --config=configs/bert_lamb.py:base,runlocal --workdir=/tmp/run
 
 `arg`: the size (`base`, the default, or `large`) and any variants of
-lambjax.train.variants (`runlocal`, `pld`, `mslt`, `chunked_accumulation`,
+lambjax.train.variants (`runlocal`, `pld`, `mslt`, `chunked_accumulation`, `ouroboros`,
 `standardization_loss`), comma-separated.
 
 Sources: NVIDIA DeepLearningExamples, PyTorch BERT pretraining with LAMB (batch sizes,

@@ -6,7 +6,7 @@ then 33K (32,768) at 512, with a warmup-constant-decay learning rate.
   python -m lambjax.main --config=configs/bert_lans.py:base,runlocal --workdir=/tmp/run
 
 `arg`: the size (`base`, the default, or `large`) and any variants of
-lambjax.train.variants (`runlocal`, `pld`, `mslt`, `chunked_accumulation`,
+lambjax.train.variants (`runlocal`, `pld`, `mslt`, `chunked_accumulation`, `ouroboros`,
 `standardization_loss`), comma-separated.
 
 From the paper: the batch sizes and the schedule's shape. The learning rate 5e-3 and the

@@ -8,6 +8,9 @@ Mesh axes:
   data:   pure data parallelism (parameters replicated).
   fsdp:   data parallelism with parameters and optimizer state sharded (ZeRO-3 style).
   tensor: tensor (model) parallelism inside attention and MLP blocks.
+  stage:  the encoder's layers split into consecutive stages, one per device along the axis:
+          the stages of Ouroboros' model parallelism (lambjax.train.ouroboros); size 1
+          otherwise.
 """
 
 from collections.abc import Mapping, Sequence
@@ -16,7 +19,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-MESH_AXES = ("data", "fsdp", "tensor")
+MESH_AXES = ("stage", "data", "fsdp", "tensor")
 
 # Logical axis name -> mesh axis (or tuple of mesh axes, or None = replicated).
 LOGICAL_AXIS_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
@@ -27,7 +30,7 @@ LOGICAL_AXIS_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
     ("heads", "tensor"),
     ("kv", None),
     ("mlp", "tensor"),
-    ("layers", None),
+    ("layers", "stage"),
     ("position", None),
     ("token_type", None),
     ("classes", None),

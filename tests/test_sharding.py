@@ -8,7 +8,7 @@ from lambjax import sharding
 
 def test_make_mesh_fills_minus_one():
     mesh = sharding.make_mesh({"data": -1, "fsdp": 2, "tensor": 2})
-    assert dict(mesh.shape) == {"data": 2, "fsdp": 2, "tensor": 2}
+    assert dict(mesh.shape) == {"stage": 1, "data": 2, "fsdp": 2, "tensor": 2}
 
 
 @pytest.mark.parametrize(

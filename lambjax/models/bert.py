@@ -357,7 +357,7 @@ def _run_layers(config, layers, h, attention_bias, *, rng, keep, scale, first_in
     token mask)."""
     deterministic = rng is None
     count = jax.tree.leaves(layers)[0].shape[0]
-    indices = jnp.arange(first_index, first_index + count)
+    indices = first_index + jnp.arange(count)  # first_index may be traced
     skip_dropped = keep is not None
     keep = jnp.ones((count,), bool) if keep is None else keep
     scale = jnp.ones((count,), jnp.float32) if scale is None else scale

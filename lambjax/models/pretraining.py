@@ -91,13 +91,19 @@ def pretraining_stats(
         num_frozen_layers=num_frozen_layers,
         standardization_loss=standardization_loss,
     )
+    stats = {} if not standardization_loss else {"standardization_loss": std_loss}
+    return stats | stats_from_logits(mlm_logits, nsp_logits, batch)
+
+
+def stats_from_logits(mlm_logits, nsp_logits, batch: dict) -> dict[str, Any]:
+    """`pretraining_stats` from the heads' outputs: vocabulary-major MLM logits [V, B * P]
+    and NSP logits [B, 2]."""
     weights = batch["masked_lm_weights"].astype(jnp.float32).reshape(-1)
     mlm_nll, mlm_hits = _cross_entropy(mlm_logits, batch["masked_lm_ids"].reshape(-1), axis=0)
     nsp_nll, nsp_hits = _cross_entropy(
         nsp_logits, batch["next_sentence_labels"].reshape(-1), axis=-1
     )
-    stats = {} if not standardization_loss else {"standardization_loss": std_loss}
-    return stats | {
+    return {
         "mlm_loss_sum": jnp.sum(mlm_nll * weights),
         "mlm_weight_sum": jnp.sum(weights),
         "mlm_correct_sum": jnp.sum(mlm_hits * weights),

@@ -7,16 +7,20 @@ A config is an `ml_collections.ConfigDict`:
   model:      a preset name plus field overrides for `lambjax.models.bert.BertConfig`
   data:       `lambjax.data.default_config()` (source, vocab, ...)
   optimizer:  the default optimizer of every phase (name, betas, weight decay, clipping)
-  mesh:       the default device mesh of every phase ({data, fsdp, tensor} sizes; -1 = rest)
+  mesh:       the default device mesh of every phase ({data, fsdp, tensor, stage} sizes;
+              -1 = rest)
   layer_drop: progressive layer dropping (off by default; lambjax.train.layer_drop)
   standardization_loss: its weight (0: off; lambjax.models.standardization)
+  ouroboros:  model parallelism with delayed gradients: its number of modules K (1: off) and
+              how a module replays (lambjax.train.ouroboros); needs mesh stage = K - 1
   phases:     name -> phase (sequence length, global batch, accumulation, steps, schedule,
               optional `optimizer` / `mesh` overrides, and the encoder depth and frozen
               bottom layers of a multi-stage layerwise training stage: lambjax.train.stacking)
   phase_order: the phase names in the order they run.
 
 The recipes are the files in configs/; the variants every config accepts (`runlocal`, `pld`,
-`mslt`, `chunked_accumulation`, `standardization_loss`) are in lambjax.train.variants.
+`mslt`, `chunked_accumulation`, `standardization_loss`, `ouroboros`) are in
+lambjax.train.variants.
 """
 
 import ml_collections
@@ -113,7 +117,7 @@ def phase_config(
             # Overrides of the top-level optimizer / mesh for this phase only (None: inherit),
             # e.g. --config.phases.phase2.optimizer.name=lans.
             "optimizer": _unset_fields(optimizer_config()),
-            "mesh": _unset_fields({"data": 1, "fsdp": 1, "tensor": 1}),
+            "mesh": _unset_fields({"data": 1, "fsdp": 1, "tensor": 1, "stage": 1}),
         }
     )
 
@@ -131,7 +135,7 @@ def base_config() -> ml_collections.ConfigDict:
     )
     config.data = data_lib.default_config()
     config.optimizer = optimizer_config("lamb")
-    config.mesh = ml_collections.ConfigDict({"data": -1, "fsdp": 1, "tensor": 1})
+    config.mesh = ml_collections.ConfigDict({"data": -1, "fsdp": 1, "tensor": 1, "stage": 1})
     # Progressive layer dropping (needs model layer_norm="pre"): keep probability
     # theta(t) = (1 - theta_bar) exp(-gamma t) + theta_bar, t = optimizer steps of the run.
     config.layer_drop = ml_collections.ConfigDict(
@@ -140,6 +144,11 @@ def base_config() -> ml_collections.ConfigDict:
     # The standardization loss (Collins et al. 2019): weight lambda of L_std in the objective,
     # for a model with model.overrides.normalization="none"; 0 = off.
     config.standardization_loss = ml_collections.ConfigDict({"weight": 0.0})
+    # Ouroboros (Yang et al. 2019): the encoder cut into num_modules modules on num_modules - 1
+    # pipeline stages (mesh axis `stage`), each updated with a delayed gradient; 1 = off.
+    # replay: "stale" (the delayed gradient exactly, as DDG defines it; keeps the last
+    # num_modules - 1 steps' weights) or "current" (Features Replay: current weights).
+    config.ouroboros = ml_collections.ConfigDict({"num_modules": 1, "replay": "stale"})
     config.phases = ml_collections.ConfigDict()
     config.phase_order = ()
     config.log_every_steps = 10
@@ -228,6 +237,7 @@ def validate(config, *, num_devices: int, process_count: int = 1) -> None:
     for index, name in enumerate(config.phase_order):
         validate_phase(config, name, index, num_devices=num_devices, process_count=process_count)
     validate_layer_schemes(config)
+    validate_ouroboros(config, num_devices)
 
 
 def validate_layer_schemes(config) -> None:
@@ -280,6 +290,56 @@ def validate_layer_schemes(config) -> None:
                     f"optimizer state cannot be kept: set {where}.optimizer_state='reset'"
                 )
         previous = (phase, depth)
+
+
+def validate_ouroboros(config, num_devices: int) -> None:
+    """Ouroboros' modules against the model's depth, the mesh and the other schemes."""
+    from lambjax import sharding
+    from lambjax.train import ouroboros
+
+    modules, replay = config.ouroboros.num_modules, config.ouroboros.replay
+    if not isinstance(modules, int) or modules < 1:
+        raise ConfigError(f"config.ouroboros.num_modules={modules!r} must be an integer >= 1")
+    if replay not in ouroboros.REPLAYS:
+        raise ConfigError(f"config.ouroboros.replay={replay!r}; valid: {ouroboros.REPLAYS}")
+    on = modules > 1
+    if on and config.layer_drop.enabled:
+        raise ConfigError(
+            "config.ouroboros.num_modules > 1 and config.layer_drop.enabled=True: Ouroboros "
+            "runs every layer of every step; turn one of them off"
+        )
+    if on and config.standardization_loss.weight > 0:
+        raise ConfigError(
+            "config.ouroboros.num_modules > 1 with config.standardization_loss.weight > 0: "
+            "the pipeline carries no standardization loss; turn one of them off"
+        )
+    for name in config.phase_order:
+        where = f"config.phases.{name}"
+        mesh = sharding.mesh_shape(phase_mesh(config, name), num_devices)
+        if not on:
+            if mesh["stage"] > 1:
+                raise ConfigError(
+                    f"{where}: mesh stage={mesh['stage']} splits the encoder into pipeline "
+                    f"stages, which only Ouroboros runs; set --config.ouroboros.num_modules="
+                    f"{mesh['stage'] + 1} (or the variant ouroboros), or mesh stage=1"
+                )
+            continue
+        if mesh["stage"] != modules - 1 or mesh["fsdp"] != 1 or mesh["tensor"] != 1:
+            raise ConfigError(
+                f"{where}: config.ouroboros.num_modules={modules} runs on a mesh data x stage "
+                f"with stage={modules - 1} (the first and the last module share a stage) and "
+                f"fsdp=tensor=1, but the mesh is {mesh}; set --config.mesh.stage={modules - 1}"
+            )
+        if config.phases[name].frozen_layers:
+            raise ConfigError(
+                f"{where}.frozen_layers={config.phases[name].frozen_layers}: Ouroboros trains "
+                f"every layer (no multi-stage layerwise training)"
+            )
+        depth = model_config(config, vocab_size=1, phase_name=name).num_layers
+        try:
+            ouroboros.check(modules, depth)
+        except ValueError as e:
+            raise ConfigError(f"config.ouroboros ({where}, {depth} layers): {e}") from None
 
 
 def validate_phase(config, name: str, index: int, *, num_devices: int, process_count: int):

@@ -25,7 +25,7 @@ from absl import logging
 from lambjax import data as data_lib
 from lambjax import optim, sharding
 from lambjax.models import bert
-from lambjax.train import checkpointing, stacking, throughput
+from lambjax.train import checkpointing, ouroboros, stacking, throughput
 from lambjax.train import config as config_lib
 from lambjax.train import optimizer as optimizer_lib
 from lambjax.train import state as state_lib
@@ -55,10 +55,27 @@ class Phase:
     layer_drop: LayerDrop | None  # progressive layer dropping, when enabled
     nsp_loss_weight: float  # 0 without next-sentence prediction
     standardization_loss_weight: float  # lambda of the standardization loss; 0 = off
+    ouroboros_split: ouroboros.Split | None = None  # Ouroboros' modules, when on
+    ouroboros_replay: str = "stale"
 
     def init_state(self, rng: jax.Array) -> TrainState:
         params = bert.init_params(self.model_config, rng)
-        return TrainState.create(params, self.optimizer, self.num_frozen_layers)
+        return self.new_state(params)
+
+    def new_state(self, params, opt_state=None) -> TrainState:
+        """A state at step 0 (and, under Ouroboros, empty pipeline buffers)."""
+        state = TrainState.create(params, self.optimizer, self.num_frozen_layers, opt_state=opt_state)
+        if self.ouroboros_split is None:
+            return state
+        pipeline = ouroboros.init_pipeline(
+            self.ouroboros_split,
+            params,
+            global_batch_size=self.config.global_batch_size,
+            seq_len=self.config.max_seq_length,
+            dtype=self.model_config.dtype,
+            replay=self.ouroboros_replay,
+        )
+        return state.replace(pipeline=pipeline)
 
     def init_optimizer(self, params):
         """A fresh optimizer state for this phase's trainable view of `params`."""
@@ -70,13 +87,19 @@ class Phase:
 
     @functools.cached_property
     def state_shardings(self) -> TrainState:
-        return state_lib.shardings(
+        shardings = state_lib.shardings(
             self._abstract,
             param_axes=bert.param_logical_axes(self.model_config),
             mesh=self.mesh,
             optimizer=self.optimizer,
             num_frozen_layers=self.num_frozen_layers,
         )
+        if self.ouroboros_split is None:
+            return shardings
+        pipeline = ouroboros.pipeline_shardings(
+            self._abstract.pipeline, shardings.params, self.mesh
+        )
+        return shardings.replace(pipeline=pipeline)
 
     def abstract_state(self) -> TrainState:
         """The state's shapes and dtypes, each leaf carrying its sharding (a restore target)."""
@@ -84,6 +107,18 @@ class Phase:
 
     def train_step(self) -> Callable:
         """The pure train step as a function of (state, batch, rng), its settings bound."""
+        if self.ouroboros_split is not None:
+            return functools.partial(
+                ouroboros.train_step,
+                split=self.ouroboros_split,
+                replay=self.ouroboros_replay,
+                mesh=self.mesh,
+                model_config=self.model_config,
+                optimizer=self.optimizer,
+                schedule=self.schedule,
+                grad_accum_steps=config_lib.grad_accum_steps_on(self.config, self.mesh),
+                nsp_loss_weight=self.nsp_loss_weight,
+            )
         return functools.partial(
             step_lib.train_step,
             model_config=self.model_config,
@@ -151,6 +186,12 @@ def build_phase(config, name: str, index: int, step_offset: int) -> Phase:
         layer_drop=layer_drop,
         nsp_loss_weight=1.0 if config.data.next_sentence_prediction else 0.0,
         standardization_loss_weight=config.standardization_loss.weight,
+        ouroboros_split=(
+            ouroboros.Split(config.ouroboros.num_modules, model_config.num_layers)
+            if config.ouroboros.num_modules > 1
+            else None
+        ),
+        ouroboros_replay=config.ouroboros.replay,
     )
 
 
@@ -231,7 +272,9 @@ def from_previous_phase(config, workdir: str, phase: Phase, init_optimizer: Call
     keep = phase.config.optimizer_state == "keep"
     # Kept moments need the same optimizer, depth and frozen layers (validated): this phase's
     # target then fits; otherwise the previous state may have another structure.
-    target = phase.abstract_state() if keep else previous.abstract_state()
+    target = previous.abstract_state()
+    if keep:  # the previous phase's pipeline buffers have its shapes; they are not kept
+        target = phase.abstract_state().replace(pipeline=target.pipeline)
     final_step = previous.config.num_steps
     ckpt = checkpointing.PhaseCheckpoints(
         workdir, previous.name, max_to_keep=config.max_checkpoints_to_keep, async_save=False
@@ -263,7 +306,7 @@ def from_previous_phase(config, workdir: str, phase: Phase, init_optimizer: Call
         opt_state = optim.restart_step_count(restored.state.opt_state)
     else:
         opt_state = init_optimizer(params)
-    state = TrainState.create(params, phase.optimizer, opt_state=opt_state)
+    state = phase.new_state(params, opt_state=opt_state)
     return jax.device_put(state, phase.state_shardings)
 
 

@@ -22,6 +22,8 @@ class TrainState(flax.struct.PyTreeNode):
     opt_state: Any  # covers the trainable view of params only (lambjax.train.stacking)
     consecutive_nonfinite: jax.Array  # steps in a row whose update was skipped
     total_nonfinite: jax.Array
+    # Ouroboros' buffers between steps (lambjax.train.ouroboros); None otherwise.
+    pipeline: Any = None
 
     @classmethod
     def create(
@@ -67,7 +69,8 @@ def shardings(
         return param_sharding if leaf.shape == param.shape else replicated
 
     # The optimizer state covers the trainable view only (all parameters, but in an MSLT
-    # stage). Cutting layers off a stacked leaf keeps its sharding: `layers` is not sharded.
+    # stage). Cutting layers off a stacked leaf keeps its sharding: `layers` is sharded
+    # only over the stage axis of Ouroboros, which runs no MSLT stage.
     n = num_frozen_layers
     trainable_params = jax.eval_shape(lambda p: stacking.split(p, n)[0], abstract.params)
     trainable_shardings, _ = stacking.split(param_shardings, n, take=lambda s, _: s)

@@ -12,6 +12,7 @@ config has several, and any of the variants below (`runlocal` is applied first):
                                                       no LayerNorm; the standardization loss
   --config=configs/bert_lamb.py:base,chunked_accumulation,runlocal
                                                       float16 chunk-64 accumulation (emulated)
+  --config=configs/bert_lamb.py:large,ouroboros       Ouroboros: 4 modules on 3 stages
 """
 
 import copy
@@ -130,12 +131,27 @@ def standardization_loss(config: ml_collections.ConfigDict) -> ml_collections.Co
     return config
 
 
+def ouroboros(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
+    """Ouroboros (Yang et al., NeurIPS 2019, arXiv 1909.06695; lambjax.train.ouroboros):
+    the paper's Figure 2 layout, 4 modules on 3 stages with the first and the last module on
+    stage 0, where the depth divides by 3 (BERT-base and -large); else 3 modules on 2 stages
+    (the runlocal model's 2 layers). The rest of the devices go to the data axis.
+    `--config.ouroboros.num_modules` and `--config.mesh.stage` (= num_modules - 1) change it.
+    """
+    depth = model_config(config, vocab_size=1).num_layers
+    modules = 4 if depth % 3 == 0 else 3
+    config.ouroboros.num_modules = modules
+    config.mesh.stage = modules - 1
+    return config
+
+
 VARIANTS = {
     "runlocal": runlocal,
     "pld": layer_drop,
     "mslt": multi_stage,
     "chunked_accumulation": chunked_accumulation,
     "standardization_loss": standardization_loss,
+    "ouroboros": ouroboros,
 }
 
 
