@@ -263,7 +263,9 @@ def active_modules(split: Split, step: jax.Array, params):
     first = step >= split.num_modules - 1
     active = jax.tree.map(lambda _: jnp.bool_(True), params)  # module K's and the heads
     active["embeddings"] = jax.tree.map(lambda _: first, params["embeddings"])
-    active["embeddings"]["word"] = jax.tree.map(lambda _: jnp.bool_(True), active["embeddings"]["word"])
+    active["embeddings"]["word"] = jax.tree.map(
+        lambda _: jnp.bool_(True), active["embeddings"]["word"]
+    )
     active["encoder"]["layers"] = jax.tree.map(lambda _: layers, params["encoder"]["layers"])
     return active
 
@@ -333,7 +335,9 @@ def pipeline_gradients(
         "hidden": P("stage", None, "data"),
         "mailbox": P("stage", "data"),
     }
-    weight_specs = None if weights is None else {"embeddings": replicated, "layers": P(None, "stage")}
+    weight_specs = (
+        None if weights is None else {"embeddings": replicated, "layers": P(None, "stage")}
+    )
     device_step = functools.partial(
         _device_step,
         split=split,
@@ -406,8 +410,15 @@ def _device_step(
         # The model's layer loop, its dropout key per layer fold_in(rng, global index).
         bias = bert._attention_bias(mask)
         h, _ = bert._run_layers(
-            config, layers, h, bias, rng=rng, keep=None, scale=None,
-            first_index=first_index, token_mask=None,
+            config,
+            layers,
+            h,
+            bias,
+            rng=rng,
+            keep=None,
+            scale=None,
+            first_index=first_index,
+            token_mask=None,
         )
         return h
 
@@ -462,7 +473,9 @@ def _device_step(
         # Forward, locked: stage 0, 1, ..., S - 1, and back to stage 0.
         h = jax.lax.cond(
             stage == 0,
-            lambda: module_1(params["embeddings"], slots(params["layers"], last, per_stage), tokens, rng),
+            lambda: module_1(
+                params["embeddings"], slots(params["layers"], last, per_stage), tokens, rng
+            ),
             lambda: zeros,
         )
         stage_input = zeros
@@ -472,7 +485,10 @@ def _device_step(
             h = jax.lax.cond(
                 stage == i,
                 lambda h, i=i: run_layers(
-                    params["layers"], h, tokens["input_mask"], jax.random.split(rng)[1],
+                    params["layers"],
+                    h,
+                    tokens["input_mask"],
+                    jax.random.split(rng)[1],
                     first + (i - 1) * per_stage,
                 ),
                 lambda h: h,
@@ -512,7 +528,10 @@ def _device_step(
         def replay_middle():
             def f(layers, h):
                 return run_layers(
-                    layers, h, tokens_then["input_mask"], jax.random.split(rng_then)[1],
+                    layers,
+                    h,
+                    tokens_then["input_mask"],
+                    jax.random.split(rng_then)[1],
                     first + (stage - 1) * per_stage,
                 )
 

@@ -64,7 +64,9 @@ class Phase:
 
     def new_state(self, params, opt_state=None) -> TrainState:
         """A state at step 0 (and, under Ouroboros, empty pipeline buffers)."""
-        state = TrainState.create(params, self.optimizer, self.num_frozen_layers, opt_state=opt_state)
+        state = TrainState.create(
+            params, self.optimizer, self.num_frozen_layers, opt_state=opt_state
+        )
         if self.ouroboros_split is None:
             return state
         pipeline = ouroboros.init_pipeline(
