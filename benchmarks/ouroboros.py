@@ -120,7 +120,7 @@ def schedules(parts: dict, modules: int, microbatches: int) -> dict:
     first = (per_stage + 1) // 2
     last = per_stage - first
     whole = fe + be + layers * (fl + bl) + fh + bh
-    result = {"one device": (1 * m, m * whole)}
+    result = {"one device": (2 * m, m * whole)}  # a forward and a backward per micro-batch
     # GPipe on S stages of equal depth; the embeddings on the first, the heads on the last.
     forward = [per_stage * fl for _ in range(stages)]
     backward = [per_stage * bl for _ in range(stages)]
@@ -184,7 +184,7 @@ def train(workdir: str, modules: int, steps: int, layers: int) -> dict:
         f"--workdir={workdir}",
         "--config.phase_order=('phase1',)",
         f"--config.phases.phase1.num_steps={steps}",
-        f"--config.model.overrides.num_layers={layers}",
+        f"--config.phases.phase1.num_layers={layers}",
         f"--config.ouroboros.num_modules={modules}",
         f"--config.mesh.stage={max(modules - 1, 1)}",
         "--config.log_every_steps=10",
@@ -193,7 +193,9 @@ def train(workdir: str, modules: int, steps: int, layers: int) -> dict:
         "--config.eval_steps=0",
     ]
     start = time.perf_counter()
-    subprocess.run(command, cwd=REPO, env=env, check=True, capture_output=True)
+    result = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True)
+    if result.returncode:
+        raise SystemExit(f"K={modules} failed:\n{result.stderr[-3000:]}")
     seconds = time.perf_counter() - start
     records = {}
     with open(os.path.join(workdir, "metrics.jsonl")) as f:

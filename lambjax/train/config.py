@@ -148,7 +148,12 @@ def base_config() -> ml_collections.ConfigDict:
     # pipeline stages (mesh axis `stage`), each updated with a delayed gradient; 1 = off.
     # replay: "stale" (the delayed gradient exactly, as DDG defines it; keeps the last
     # num_modules - 1 steps' weights) or "current" (Features Replay: current weights).
-    config.ouroboros = ml_collections.ConfigDict({"num_modules": 1, "replay": "stale"})
+    # synchronous_steps: a warm-up of that many steps of ordinary backpropagation at the
+    # start of every phase, before the pipeline fills (the paper mentions a warm-up whose
+    # form could not be read; the recipes' learning-rate warm-up applies either way).
+    config.ouroboros = ml_collections.ConfigDict(
+        {"num_modules": 1, "replay": "stale", "synchronous_steps": 0}
+    )
     config.phases = ml_collections.ConfigDict()
     config.phase_order = ()
     config.log_every_steps = 10
@@ -300,6 +305,9 @@ def validate_ouroboros(config, num_devices: int) -> None:
     modules, replay = config.ouroboros.num_modules, config.ouroboros.replay
     if not isinstance(modules, int) or modules < 1:
         raise ConfigError(f"config.ouroboros.num_modules={modules!r} must be an integer >= 1")
+    warmup = config.ouroboros.synchronous_steps
+    if not isinstance(warmup, int) or warmup < 0:
+        raise ConfigError(f"config.ouroboros.synchronous_steps={warmup!r} must be an integer >= 0")
     if replay not in ouroboros.REPLAYS:
         raise ConfigError(f"config.ouroboros.replay={replay!r}; valid: {ouroboros.REPLAYS}")
     on = modules > 1

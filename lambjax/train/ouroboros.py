@@ -54,6 +54,10 @@ run resumes bitwise): D = K - 1 ring-buffer slots, batch t in slot t % D.
   weights  [D, ...]         `replay='stale'` only: the embeddings and the encoder layers of
                             the last D iterations (the weights a replay needs)
 
+With data parallelism (mesh data > 1) every data shard draws its own dropout masks (fold_in
+of its index), so runs on different data-axis sizes agree only without dropout. A run
+resumes with the num_modules it was checkpointed with (other buffer shapes are refused).
+
 A phase starts with empty buffers (the phase transition changes their shapes): module k gets
 its first gradient at the phase's step K - k, and until then neither its weights nor its
 optimizer moments move (the pipeline fill of the authors' code, where a module skips its
@@ -67,12 +71,16 @@ weight history but whose gradient is no longer the exact delayed gradient.
 
 Not from the paper (its method section could not be read here; the above follows DDG's
 published formula and code): how many layers go to the first and the last module, and the
-paper's warm-up, which the recipes' learning-rate warm-up stands in for. The step is written
+form of the paper's warm-up. `config.ouroboros.synchronous_steps` offers one reading of it,
+that many steps of ordinary backpropagation at the start of each phase before the pipeline
+fills (off by default); the recipes' learning-rate warm-up applies either way. The step is written
 for XLA's SPMD partitioner: every stage runs the same program, each branch under `lax.cond`
 on the stage index, and collectives only outside the branches. Each stage's forward waits for
-the stage below, so with F_k and B_k a module's forward and backward time an iteration takes
-sum_k F_k + max_k (F_k + B_k) (the replay recomputes its forward), against sum_k (F_k + B_k)
-for backpropagation on one device: benchmarks/ouroboros_critical_path.py.
+the stage below, so with F_k and B_k module k's forward and backward time, a micro-batch
+takes F_1 + ... + F_K + B_K + max_k (F_k + B_k) (module K's backward, then every replay, which
+recomputes its forward), against the sum of all F_k + B_k for backpropagation on one device;
+micro-batches run one after another. benchmarks/ouroboros.py adds measured F and B up along
+both paths and GPipe's.
 """
 
 import dataclasses
@@ -211,15 +219,64 @@ def train_step(
     schedule: optax.Schedule,
     grad_accum_steps: int,
     nsp_loss_weight: float = 1.0,
+    synchronous_steps: int = 0,
 ) -> tuple[TrainState, dict]:
     """One Ouroboros iteration: the delayed gradients, then the update of every module that
-    has one. The counterpart of lambjax.train.step.train_step (same metrics)."""
+    has one. The counterpart of lambjax.train.step.train_step (same metrics).
+
+    The first `synchronous_steps` steps of a phase are ordinary backpropagation (a warm-up;
+    the pipeline then fills from empty), the rest pipelined."""
+    settings = dict(
+        model_config=model_config,
+        optimizer=optimizer,
+        schedule=schedule,
+        grad_accum_steps=grad_accum_steps,
+        nsp_loss_weight=nsp_loss_weight,
+    )
+    pipelined = functools.partial(
+        _pipelined_step, split=split, replay=replay, mesh=mesh, **settings
+    )
+    if not synchronous_steps:
+        return pipelined(state, batch, rng, state.step)
+
+    def synchronous(state, batch, rng):
+        new_state, metrics = step_lib.train_step(state, batch, rng, **settings)
+        metrics["ouroboros_modules_updated"] = jnp.float32(split.num_modules)
+        return new_state, metrics
+
+    def delayed(state, batch, rng):  # its own dropout keys: not those of the warm-up steps
+        pipeline_rng = jax.random.fold_in(rng, _PIPELINE_STREAM)
+        return pipelined(state, batch, pipeline_rng, state.step - synchronous_steps)
+
+    return jax.lax.cond(state.step < synchronous_steps, synchronous, delayed, state, batch, rng)
+
+
+# fold_in constant of the pipelined steps' keys after a synchronous warm-up.
+_PIPELINE_STREAM = 0x4F5552
+
+
+def _pipelined_step(
+    state,
+    batch,
+    rng,
+    iteration,
+    *,
+    split,
+    replay,
+    mesh,
+    model_config,
+    optimizer,
+    schedule,
+    grad_accum_steps,
+    nsp_loss_weight,
+):
+    """The pipelined step; `iteration` counts the steps since the pipeline started."""
     grads, stats, pipeline = pipeline_gradients(
         state.params,
         state.pipeline,
         batch,
         rng,
-        state.step,
+        iteration,
         split=split,
         replay=replay,
         mesh=mesh,
@@ -229,12 +286,12 @@ def train_step(
     )
     metrics = step_lib.metrics_from_stats(stats)
     loss = metrics["mlm_loss"] + nsp_loss_weight * metrics["nsp_loss"]
-    active = active_modules(split, state.step, state.params)
+    active = active_modules(split, iteration, state.params)
     updated, update_metrics = step_lib.apply_if_finite(state, grads, loss, optimizer, 0)
     params = jax.tree.map(_select, active, updated.params, state.params)
     opt_state = _select_optimizer_state(optimizer, active, updated.opt_state, state.opt_state)
     if "weights" in pipeline:  # this step's weights, for the replays of the next D steps
-        slot = state.step % split.stages
+        slot = iteration % split.stages
         pipeline["weights"] = jax.tree.map(
             lambda history, w: jax.lax.dynamic_update_index_in_dim(history, w, slot, 0),
             pipeline["weights"],
@@ -249,7 +306,7 @@ def train_step(
         loss=loss,
         learning_rate=schedule(state.step),
         param_norm=optax.global_norm(state.params),
-        ouroboros_modules_updated=jnp.sum(state.step >= delays).astype(jnp.float32),
+        ouroboros_modules_updated=jnp.sum(iteration >= delays).astype(jnp.float32),
         **update_metrics,
     )
     metrics.update(step_lib.trust_ratio_metrics(new_state.opt_state))

@@ -57,6 +57,7 @@ class Phase:
     standardization_loss_weight: float  # lambda of the standardization loss; 0 = off
     ouroboros_split: ouroboros.Split | None = None  # Ouroboros' modules, when on
     ouroboros_replay: str = "stale"
+    ouroboros_synchronous_steps: int = 0
 
     def init_state(self, rng: jax.Array) -> TrainState:
         params = bert.init_params(self.model_config, rng)
@@ -120,6 +121,7 @@ class Phase:
                 schedule=self.schedule,
                 grad_accum_steps=config_lib.grad_accum_steps_on(self.config, self.mesh),
                 nsp_loss_weight=self.nsp_loss_weight,
+                synchronous_steps=self.ouroboros_synchronous_steps,
             )
         return functools.partial(
             step_lib.train_step,
@@ -194,6 +196,7 @@ def build_phase(config, name: str, index: int, step_offset: int) -> Phase:
             else None
         ),
         ouroboros_replay=config.ouroboros.replay,
+        ouroboros_synchronous_steps=config.ouroboros.synchronous_steps,
     )
 
 

@@ -44,7 +44,7 @@ def batches(count):
     ]
 
 
-def pipelined(split, optimizer, *, data=1, replay="stale", config=CONFIG):
+def pipelined(split, optimizer, *, data=1, replay="stale", config=CONFIG, **settings):
     """(The jitted step, its initial state), sharded as the trainer shards them: layers and
     buffers over the stage axis, batches over data."""
     mesh = sharding.make_mesh(
@@ -77,6 +77,7 @@ def pipelined(split, optimizer, *, data=1, replay="stale", config=CONFIG):
             optimizer=optimizer,
             schedule=optax.constant_schedule(0.0),
             grad_accum_steps=MICROBATCHES,
+            **settings,
         ),
         in_shardings=(shardings, sharding.batch_sharding(mesh), replicated),
         out_shardings=(shardings, replicated),
@@ -186,6 +187,19 @@ def test_sgd_follows_the_delayed_update_rule(modules):
         params = jax.tree.map(lambda w, g: w - rate * g, params, grads)
         assert max_difference(state.params, params) < 1e-6, t
         assert float(metrics["ouroboros_modules_updated"]) == min(t + 1, modules)
+
+
+def test_a_synchronous_warm_up_then_the_pipeline_fills():
+    """synchronous_steps=2: steps 0 and 1 update every module (backpropagation), then the
+    pipeline starts empty and module k waits K - k steps again."""
+    split = ouroboros.Split(2, CONFIG.num_layers)  # layers 0, 1: delay 1; 2, 3: none
+    step, state = pipelined(split, optax.sgd(0.1), synchronous_steps=2)
+    bottom = lambda s: np.asarray(s.params["encoder"]["layers"]["mlp"]["output"]["kernel"][0])  # noqa: E731
+    for t, batch in enumerate(batches(4)):
+        before = bottom(state)
+        state, metrics = step(state, batch, RNG)
+        assert float(metrics["ouroboros_modules_updated"]) == (2, 2, 1, 2)[t]
+        assert (not np.array_equal(bottom(state), before)) == (t != 2), t
 
 
 def test_replaying_with_current_weights_is_features_replay():
