@@ -95,9 +95,9 @@ def lambjax_main(*flags: str) -> list[str]:
 PHASE1_STEPS, PHASE2_STEPS = 12, 6
 
 
-def demo_command(workdir, data_dir, *overrides) -> list[str]:
+def demo_command(workdir, data_dir, *overrides, config="configs/default.py:runlocal") -> list[str]:
     return lambjax_main(
-        "--config=configs/default.py:runlocal",
+        f"--config={config}",
         f"--workdir={workdir}",
         f"--config.data.data_dir={data_dir}",
         f"--config.phases.phase1.num_steps={PHASE1_STEPS}",

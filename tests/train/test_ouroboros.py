@@ -22,7 +22,16 @@ from lambjax.train import ouroboros
 from lambjax.train import state as state_lib
 from lambjax.train import step as step_lib
 from lambjax.train.state import TrainState
-from tests.helpers import environment, lambjax_main, losses, random_batch, run, wait_for_checkpoint
+from tests.helpers import (
+    PHASE1_STEPS,
+    PHASE2_STEPS,
+    demo_command,
+    environment,
+    losses,
+    random_batch,
+    run,
+    wait_for_checkpoint,
+)
 
 CONFIG = bert.BertConfig(
     vocab_size=64,
@@ -263,19 +272,10 @@ def test_lamb_fill_and_data_parallel_stages():
 # ----------------------------------------------------------------------------------------
 # The variant, end to end
 
-PHASE1_STEPS, PHASE2_STEPS = 12, 6
-
 
 def command(workdir, data_dir, *overrides):
-    return lambjax_main(
-        "--config=configs/bert_lamb.py:ouroboros,runlocal",
-        f"--workdir={workdir}",
-        f"--config.data.data_dir={data_dir}",
-        f"--config.phases.phase1.num_steps={PHASE1_STEPS}",
-        f"--config.phases.phase2.num_steps={PHASE2_STEPS}",
-        "--config.checkpoint_every_steps=4",
-        "--config.log_every_steps=1",
-        *overrides,
+    return demo_command(
+        workdir, data_dir, *overrides, config="configs/bert_lamb.py:ouroboros,runlocal"
     )
 
 
