@@ -13,9 +13,10 @@ per step:
   one device        backpropagation of the whole model, no model parallelism
   GPipe             the same S devices, S equal stages, M micro-batches: (M + S - 1) forward
                     ticks, then (M + S - 1) backward ticks, each tick its slowest stage's
-  Ouroboros         lambjax's schedule: per micro-batch the K module forwards in turn, the
-                    top module's backward, then one tick in which every stage replays its
-                    module (forward again, then backward) at once
+  Ouroboros         lambjax's schedule: per micro-batch the K module forwards in turn, each
+                    stage replaying its module (forward again, then backward) right after
+                    its own forward, beside the stages above it; the step's critical path
+                    is the longest chain of module computations
 
 It prints each schedule's sequential module computations per step and its critical path in
 seconds, and the ratios to one device (the named baseline) and to GPipe.
@@ -130,13 +131,24 @@ def schedules(parts: dict, modules: int, microbatches: int) -> dict:
     backward[-1] += bh
     ticks = m + stages - 1
     result["GPipe"] = (2 * ticks, ticks * (max(forward) + max(backward)))
-    # Ouroboros: module 1 (embeddings + `first` layers) and module K (`last` layers + heads)
-    # on stage 0; the middle modules `per_stage` layers each.
-    module_forward = [fe + first * fl] + [per_stage * fl] * (modules - 2) + [last * fl + fh]
-    top_backward = last * bl + bh
-    replay = max([fe + first * fl + first * bl + be] + [per_stage * (fl + bl)] * (modules - 2))
-    per_microbatch = sum(module_forward) + top_backward + replay
-    result["Ouroboros"] = (m * (modules + 2), m * per_microbatch)
+    # Ouroboros, as lambjax schedules it: module 1 (embeddings + `first` layers) and module
+    # K (`last` layers + heads) on stage 0, the middle modules `per_stage` layers each. The
+    # forward hands over stage to stage (only the two stages take part); stage j replays
+    # (forward again, then backward) right after its own forward; the backward ring at the
+    # end waits for everyone. Per micro-batch, the longest chain of computations:
+    forward = [fe + first * fl] + [per_stage * fl] * (modules - 2)  # stages 0 .. S - 1
+    replay = [fe + first * (fl + bl) + be] + [per_stage * (fl + bl)] * (modules - 2)
+    top = last * (fl + bl) + fh + bh  # module K's forward and backward
+    ends = [sum(forward[: j + 1]) for j in range(stages)]  # each stage's forward done
+    chains = [(ends[j] + replay[j], j + 2) for j in range(1, stages)]  # j+1 forwards, a replay
+    if stages == 1:  # one device: everything in turn
+        chains.append((forward[0] + top + replay[0], 4))
+    else:  # stage 0 replays module 1 while the forward climbs, then runs module K
+        start = max(ends[0] + replay[0], ends[-1])
+        count = stages + 2 if ends[-1] >= ends[0] + replay[0] else 4
+        chains.append((start + top, count))
+    seconds, count = max(chains)
+    result["Ouroboros"] = (m * count, m * seconds)
     return result
 
 

@@ -33,13 +33,14 @@ the tied word embedding); stage s >= 1 holds module s + 1. One iteration, per mi
     1..S-1 run modules 2..K-1 in turn, each handing its output on with a `ppermute`; the last
     hands it back to stage 0, which runs module K, the heads and the loss and differentiates
     them: module K's gradient has no delay.
-  backward (every stage at once): stage s replays the module it holds on the batch of d_s
-    iterations ago (d_0 = K - 1 for module 1, d_s = K - 1 - s otherwise): from the input it
-    stored then, with the weights of then (`replay='stale'`), under the same dropout masks
-    (the keys are derived from the step), and pulls the output gradient it received (its
-    mailbox) back through it with a vjp: exactly the delayed gradient above. One reverse
-    `ppermute` then moves every input gradient one stage down, and stage 0's module-K input
-    gradient round to stage S - 1: the next iteration's mailboxes.
+  backward (overlapping the forward): right after its own forward, while the stages above
+    it run theirs, stage s replays the module it holds on the batch of d_s iterations ago
+    (d_0 = K - 1 for module 1, d_s = K - 1 - s otherwise): from the input it stored then,
+    with the weights of then (`replay='stale'`), under the same dropout masks (the keys are
+    derived from the step), and pulls the output gradient it received (its mailbox) back
+    through it with a vjp: exactly the delayed gradient above. One reverse `ppermute` then
+    moves every input gradient one stage down, and stage 0's module-K input gradient round
+    to stage S - 1: the next iteration's mailboxes.
 
 The gradients then go through the recipe's optimizer (LAMB, LANS, AdamW) unchanged, as in the
 paper's "Ouroboros + Adam": per-layer trust ratios are per-module quantities, and the global
@@ -75,12 +76,12 @@ form of the paper's warm-up. `config.ouroboros.synchronous_steps` offers one rea
 that many steps of ordinary backpropagation at the start of each phase before the pipeline
 fills (off by default); the recipes' learning-rate warm-up applies either way. The step is written
 for XLA's SPMD partitioner: every stage runs the same program, each branch under `lax.cond`
-on the stage index, and collectives only outside the branches. Each stage's forward waits for
-the stage below, so with F_k and B_k module k's forward and backward time, a micro-batch
-takes F_1 + ... + F_K + B_K + max_k (F_k + B_k) (module K's backward, then every replay, which
-recomputes its forward), against the sum of all F_k + B_k for backpropagation on one device;
-micro-batches run one after another. benchmarks/ouroboros.py adds measured F and B up along
-both paths and GPipe's.
+on the stage index, and collectives only outside the branches. A forward hand-over is a
+`ppermute` between its two stages only, so a stage that is replaying does not hold it up.
+Per micro-batch the critical path is the longer of the forward climb plus module K's forward
+and backward, and a stage's forward end plus its replay (which recomputes its forward),
+against the sum of every module's forward and backward on one device; micro-batches run one
+after another. benchmarks/ouroboros.py adds measured times up along it and along GPipe's.
 """
 
 import dataclasses
@@ -516,7 +517,6 @@ def _device_step(
             tree,
         )
 
-    forward_ring = [(s, (s + 1) % stages) for s in range(stages)]
     backward_ring = [(s, (s - 1) % stages) for s in range(stages)]
     word = params["embeddings"]["word"]["embedding"]
 
@@ -527,7 +527,51 @@ def _device_step(
         tokens = {k: microbatch[k] for k in TOKEN_KEYS}
         zeros = jnp.zeros(hidden_then.shape, hidden_then.dtype)
 
-        # Forward, locked: stage 0, 1, ..., S - 1, and back to stage 0.
+        # The backward of a stage: replay the module held there on the batch of `delay`
+        # steps ago and pull its stored output gradient back through it.
+        def replay_first():
+            def f(embeddings, layers):
+                return module_1(embeddings, layers, tokens_then, rng_then)
+
+            layers = slots(replay_layers, last, per_stage)
+            _, vjp = jax.vjp(f, replay_embeddings, layers)
+            g_embeddings, g_layers = vjp(mailbox)
+            return g_embeddings, pad(g_layers, last), zeros
+
+        def replay_middle(first_index):
+            def f(layers, h):
+                return run_layers(
+                    layers,
+                    h,
+                    tokens_then["input_mask"],
+                    jax.random.split(rng_then)[1],
+                    first_index,
+                )
+
+            _, vjp = jax.vjp(f, replay_layers, hidden_then)
+            g_layers, delta = vjp(mailbox)
+            return jax.tree.map(jnp.zeros_like, replay_embeddings), g_layers, delta
+
+        replay_shapes = jax.eval_shape(replay_first)
+
+        def replay_on(j):
+            """Stage j's replay (zeros elsewhere). It runs in the tick after stage j's
+            forward, beside stage j + 1's forward (or module K's on stage 0), so the
+            backward of every stage overlaps the forward of the stages above it."""
+            if stages == 1:
+                return replay_first()
+            if j == 0:
+                replay = replay_first
+            else:
+                replay = functools.partial(replay_middle, first + (j - 1) * per_stage)
+            return jax.lax.cond(
+                stage == j,
+                replay,
+                lambda: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), replay_shapes),
+            )
+
+        # Forward, locked: stage 0, 1, ..., S - 1, and back to stage 0. Each hand-over
+        # involves only its two stages, so a replay elsewhere does not hold it up.
         h = jax.lax.cond(
             stage == 0,
             lambda: module_1(
@@ -536,8 +580,9 @@ def _device_step(
             lambda: zeros,
         )
         stage_input = zeros
+        replays = []
         for i in range(1, stages):
-            h = jax.lax.ppermute(h, "stage", forward_ring)
+            h = jax.lax.ppermute(h, "stage", [(i - 1, i)])
             stage_input = jnp.where(stage == i, h, stage_input)
             h = jax.lax.cond(
                 stage == i,
@@ -551,10 +596,12 @@ def _device_step(
                 lambda h: h,
                 h,
             )
+            replays.append(replay_on(i - 1))
         if stages > 1:
-            h = jax.lax.ppermute(h, "stage", forward_ring)
+            h = jax.lax.ppermute(h, "stage", [(stages - 1, 0)])
 
-        # Module K on stage 0: the loss and its gradient, no delay.
+        # Module K on stage 0: the loss and its gradient, no delay; meanwhile the last
+        # stage replays.
         def top(h):
             def f(layers, heads, final, word, h):
                 return module_k(layers, heads, final, word, h, microbatch, rng)
@@ -570,36 +617,8 @@ def _device_step(
             lambda h: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), top_shapes),
             h,
         )
-
-        # Backward, every stage at once: replay the module held here on the batch of
-        # `delay` steps ago and pull its stored output gradient back through it.
-        def replay_first():
-            def f(embeddings, layers):
-                return module_1(embeddings, layers, tokens_then, rng_then)
-
-            layers = slots(replay_layers, last, per_stage)
-            _, vjp = jax.vjp(f, replay_embeddings, layers)
-            g_embeddings, g_layers = vjp(mailbox)
-            return g_embeddings, pad(g_layers, last), zeros
-
-        def replay_middle():
-            def f(layers, h):
-                return run_layers(
-                    layers,
-                    h,
-                    tokens_then["input_mask"],
-                    jax.random.split(rng_then)[1],
-                    first + (stage - 1) * per_stage,
-                )
-
-            _, vjp = jax.vjp(f, replay_layers, hidden_then)
-            g_layers, delta = vjp(mailbox)
-            return jax.tree.map(jnp.zeros_like, replay_embeddings), g_layers, delta
-
-        if stages > 1:
-            replayed = jax.lax.cond(stage == 0, replay_first, replay_middle)
-        else:
-            replayed = replay_first()
+        replays.append(replay_on(stages - 1))
+        replayed = jax.tree.map(lambda *parts: sum(parts[1:], parts[0]), *replays)
         g_embeddings, g_layers, delta = jax.tree.map(
             lambda g: jnp.where(filled, g, jnp.zeros_like(g)), replayed
         )
