@@ -43,7 +43,7 @@ import numpy as np
 from lambjax import data, host_memory
 from lambjax.models import bert
 from lambjax.train import config as config_lib
-from lambjax.train import phases, trainer, variants
+from lambjax.train import phases, plan, trainer, variants
 from lambjax.train.metrics import read_jsonl
 from lambjax.train.state import TrainState
 
@@ -111,13 +111,13 @@ def compiled_step(config, phase: phases.Phase):
     step = jax.jit(phase.train_step(), donate_argnums=(0,))
     params = bert.init_params(phase.model_config, jax.random.key(config.seed))
     state = TrainState.create(params, phase.optimizer, phase.num_frozen_layers)
-    state = state.replace(step=state.step + phase.config.num_steps)  # PLD: theta at theta_bar
+    state = state.replace(step=state.step + phase.plan.num_steps)  # PLD: theta at theta_bar
     batch = next(
         data.make_iterator(
             phase.prepared,
             split="train",
-            global_batch_size=phase.config.global_batch_size,
-            max_predictions_per_seq=phase.config.max_predictions_per_seq,
+            global_batch_size=phase.plan.batch.global_batch_size,
+            max_predictions_per_seq=phase.plan.batch.max_predictions_per_seq,
             seed=config.seed,
         )
     )
@@ -130,11 +130,12 @@ def step_seconds(schemes: dict, rounds: int) -> dict[tuple[str, str], float]:
     """(scheme, phase) -> median seconds of one train step, timed round-robin."""
     steps = {}
     for scheme, config in schemes.items():
-        offset = 0
-        for index, name in enumerate(config.phase_order):
-            phase = phases.build_phase(config, name, index, offset)
-            offset += phase.config.num_steps
-            steps[scheme, name] = compiled_step(config, phase)
+        vocab_size = phases.prepare_vocabulary(config.data).size
+        run = plan.resolve(config, vocab_size=vocab_size, num_devices=jax.device_count())
+        datasets = phases.prepare_data(run)
+        for phase_plan in run.phases:
+            phase = phases.build_phase(phase_plan, datasets[phase_plan.batch.max_seq_length])
+            steps[scheme, phase.name] = compiled_step(config, phase)
     times = {key: [] for key in steps}
     for round_index in range(rounds):
         for key, (step, state, batch) in steps.items():

@@ -13,7 +13,14 @@ batches = data.make_iterator(prepared, split="train", global_batch_size=256,
 import ml_collections
 
 from lambjax import storage  # noqa: F401 - gs:// through lambjax's path layer, set up first
-from lambjax.data.builder import NotPrepared, Prepared, prepare, prepare_all
+from lambjax.data.builder import (
+    NotPrepared,
+    Prepared,
+    Vocabulary,
+    prepare,
+    prepare_all,
+    vocabulary,
+)
 from lambjax.data.pipeline import BatchIterator, make_iterator
 from lambjax.data.sources import DataError
 
@@ -60,6 +67,8 @@ __all__ = [
     "make_iterator",
     "prepare",
     "prepare_all",
+    "vocabulary",
+    "Vocabulary",
 ]
 
 

@@ -64,8 +64,37 @@ class Prepared:
         return len(self.data_sources[split])
 
 
+@dataclasses.dataclass(frozen=True)
+class Vocabulary:
+    """The WordPiece vocabulary of a data config: its vocab.txt and its number of tokens."""
+
+    file: str
+    size: int
+
+
 def default_data_dir() -> str:
     return os.path.join(os.path.expanduser("~"), "tensorflow_datasets")
+
+
+def vocabulary(data_config, *, data_dir: str | None = None, build: bool = True) -> Vocabulary:
+    """The vocabulary of `data_config`: its vocab.txt, or the one trained on the corpus
+    (trained now where missing; without `build`, NotPrepared)."""
+    config = _as_dict(data_config)
+    data_dir = os.fspath(data_dir or config.get("data_dir") or default_data_dir())
+    _check_config(config)
+    path = _vocab_path(config, data_dir)
+    if config["vocab"] == "train" and not epath.Path(path).exists():
+        if not build:
+            raise NotPrepared(f"the vocabulary of config.data is not built in {data_dir}")
+        with _build_lock(data_dir):
+            if not epath.Path(path).exists():
+                _train_vocab(config, _units(config), path)
+    tokenizer = tokenization.load(path, config["lower_case"])
+    return Vocabulary(path, tokenizer.get_vocab_size())
+
+
+def _as_dict(data_config) -> dict:
+    return data_config.to_dict() if hasattr(data_config, "to_dict") else dict(data_config)
 
 
 def prepare(
@@ -94,7 +123,7 @@ def prepare_all(
     """The datasets of `data_config` at each of `max_seq_lengths`; those missing are built
     in one pipeline (`beam_options`: see beam_build.pipeline_options), or, without `build`,
     raise NotPrepared. `on_summary(summary)` is called after a build."""
-    config = data_config.to_dict() if hasattr(data_config, "to_dict") else dict(data_config)
+    config = _as_dict(data_config)
     data_dir = os.fspath(data_dir or config.get("data_dir") or default_data_dir())
     _check_config(config)
     seq_lengths = sorted(set(max_seq_lengths))

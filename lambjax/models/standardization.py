@@ -74,3 +74,15 @@ def sown_total(variables: dict) -> jax.Array:
     """The sum of every loss a module sowed into `losses` (0 where none was)."""
     leaves = jax.tree.leaves(variables.get("losses", {}))
     return sum(leaves, jnp.zeros((), jnp.float32))
+
+
+def check(weight: float, phases) -> None:
+    """`config.standardization_loss.weight` against the run's phase plans."""
+    if weight < 0:
+        raise ValueError(f"config.standardization_loss.weight={weight} must be >= 0")
+    if weight > 0 and phases[0].model.normalization != "none":
+        raise ValueError(
+            f"config.standardization_loss.weight={weight} replaces the encoder's LayerNorms, "
+            f"but the model has normalization='layer_norm'; set "
+            f"--config.model.overrides.normalization=none (or the variant standardization_loss)"
+        )

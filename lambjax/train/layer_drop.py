@@ -61,3 +61,20 @@ class LayerDrop:
         probabilities = self.keep_probabilities(step, num_layers)
         keep = jax.random.uniform(rng, (num_layers,)) < probabilities
         return keep, 1.0 / probabilities
+
+
+def check(settings, phases) -> None:
+    """`config.layer_drop` against the run's phase plans (lambjax.train.plan)."""
+    if not settings.enabled:
+        return
+    if not 0 < settings.theta_bar <= 1:
+        raise ValueError(f"config.layer_drop.theta_bar={settings.theta_bar} must lie in (0, 1]")
+    if settings.gamma < 0:
+        raise ValueError(f"config.layer_drop.gamma={settings.gamma} must be >= 0")
+    layer_norm = phases[0].model.layer_norm
+    if layer_norm != "pre":
+        raise ValueError(
+            f"config.layer_drop.enabled=True needs PreLN blocks (the paper's switchable "
+            f"transformer blocks), but the model has layer_norm={layer_norm!r}; set "
+            f"--config.model.overrides.layer_norm=pre"
+        )

@@ -670,3 +670,53 @@ def _device_step(
         "mailbox": merge_rows(received),
     }
     return grads, stats, jax.tree.map(lambda x: x[None], new_buffers)
+
+
+def check_plan(settings, phases) -> None:
+    """`config.ouroboros` against the run's phase plans (lambjax.train.plan): K against the
+    depth, the mesh (data x stage, stage = K - 1) and the schemes it does not combine with."""
+    modules, replay = settings.num_modules, settings.replay
+    if not isinstance(modules, int) or modules < 1:
+        raise ValueError(f"config.ouroboros.num_modules={modules!r} must be an integer >= 1")
+    warmup = settings.synchronous_steps
+    if not isinstance(warmup, int) or warmup < 0:
+        raise ValueError(f"config.ouroboros.synchronous_steps={warmup!r} must be an integer >= 0")
+    if replay not in REPLAYS:
+        raise ValueError(f"config.ouroboros.replay={replay!r}; valid: {REPLAYS}")
+    on = modules > 1
+    if on and phases[0].layer_drop is not None:
+        raise ValueError(
+            "config.ouroboros.num_modules > 1 and config.layer_drop.enabled=True: Ouroboros "
+            "runs every layer of every step; turn one of them off"
+        )
+    if on and phases[0].standardization_loss_weight > 0:
+        raise ValueError(
+            "config.ouroboros.num_modules > 1 with config.standardization_loss.weight > 0: "
+            "the pipeline carries no standardization loss; turn one of them off"
+        )
+    for phase in phases:
+        where, mesh = f"config.phases.{phase.name}", dict(phase.mesh)
+        if not on:
+            if mesh["stage"] > 1:
+                raise ValueError(
+                    f"{where}: mesh stage={mesh['stage']} splits the encoder into pipeline "
+                    f"stages, which only Ouroboros runs; set --config.ouroboros.num_modules="
+                    f"{mesh['stage'] + 1} (or the variant ouroboros), or mesh stage=1"
+                )
+            continue
+        if mesh["stage"] != modules - 1 or mesh["fsdp"] != 1 or mesh["tensor"] != 1:
+            raise ValueError(
+                f"{where}: config.ouroboros.num_modules={modules} runs on a mesh data x stage "
+                f"with stage={modules - 1} (the first and the last module share a stage) and "
+                f"fsdp=tensor=1, but the mesh is {mesh}; set --config.mesh.stage={modules - 1}"
+            )
+        if phase.num_frozen_layers:
+            raise ValueError(
+                f"{where}.frozen_layers={phase.num_frozen_layers}: Ouroboros trains "
+                f"every layer (no multi-stage layerwise training)"
+            )
+        depth = phase.model.num_layers
+        try:
+            check(modules, depth)
+        except ValueError as e:
+            raise ValueError(f"config.ouroboros ({where}, {depth} layers): {e}") from None

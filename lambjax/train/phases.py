@@ -26,11 +26,10 @@ from lambjax import data as data_lib
 from lambjax import optim, sharding
 from lambjax.models import bert
 from lambjax.train import checkpointing, ouroboros, stacking, throughput
-from lambjax.train import config as config_lib
 from lambjax.train import optimizer as optimizer_lib
 from lambjax.train import state as state_lib
 from lambjax.train import step as step_lib
-from lambjax.train.layer_drop import LayerDrop
+from lambjax.train.plan import PhasePlan, RunPlan
 from lambjax.train.state import TrainState
 
 
@@ -40,24 +39,36 @@ class MissingPhaseCheckpoint(RuntimeError):
 
 @dataclasses.dataclass(frozen=True)
 class Phase:
-    """Everything built for one phase."""
+    """What is built for one phase from its plan: data, mesh, schedule and optimizer."""
 
-    name: str
-    index: int
-    config: object  # the phase's ConfigDict
-    step_offset: int  # optimizer steps of all earlier phases (TensorBoard x axis)
+    plan: PhasePlan
     prepared: data_lib.Prepared
-    model_config: bert.BertConfig
     mesh: jax.sharding.Mesh
     schedule: optax.Schedule
     optimizer: optax.GradientTransformation
-    num_frozen_layers: int  # bottom layers not trained in this phase (a stage of MSLT)
-    layer_drop: LayerDrop | None  # progressive layer dropping, when enabled
-    nsp_loss_weight: float  # 0 without next-sentence prediction
-    standardization_loss_weight: float  # lambda of the standardization loss; 0 = off
-    ouroboros_split: ouroboros.Split | None = None  # Ouroboros' modules, when on
-    ouroboros_replay: str = "stale"
-    ouroboros_synchronous_steps: int = 0
+
+    @property
+    def name(self) -> str:
+        return self.plan.name
+
+    @property
+    def index(self) -> int:
+        return self.plan.index
+
+    @property
+    def model_config(self) -> bert.BertConfig:
+        return self.plan.model
+
+    @property
+    def num_frozen_layers(self) -> int:
+        return self.plan.num_frozen_layers
+
+    @functools.cached_property
+    def pipeline_split(self) -> ouroboros.Split | None:
+        """Ouroboros' modules, when it is on."""
+        if self.plan.pipeline is None:
+            return None
+        return ouroboros.Split(self.plan.pipeline.num_modules, self.plan.model.num_layers)
 
     def init_state(self, rng: jax.Array) -> TrainState:
         params = bert.init_params(self.model_config, rng)
@@ -68,15 +79,15 @@ class Phase:
         state = TrainState.create(
             params, self.optimizer, self.num_frozen_layers, opt_state=opt_state
         )
-        if self.ouroboros_split is None:
+        if self.pipeline_split is None:
             return state
         pipeline = ouroboros.init_pipeline(
-            self.ouroboros_split,
+            self.pipeline_split,
             params,
-            global_batch_size=self.config.global_batch_size,
-            seq_len=self.config.max_seq_length,
+            global_batch_size=self.plan.batch.global_batch_size,
+            seq_len=self.plan.batch.max_seq_length,
             dtype=self.model_config.dtype,
-            replay=self.ouroboros_replay,
+            replay=self.plan.pipeline.replay,
         )
         return state.replace(pipeline=pipeline)
 
@@ -97,7 +108,7 @@ class Phase:
             optimizer=self.optimizer,
             num_frozen_layers=self.num_frozen_layers,
         )
-        if self.ouroboros_split is None:
+        if self.pipeline_split is None:
             return shardings
         pipeline = ouroboros.pipeline_shardings(
             self._abstract.pipeline, shardings.params, self.mesh
@@ -110,29 +121,30 @@ class Phase:
 
     def train_step(self) -> Callable:
         """The pure train step as a function of (state, batch, rng), its settings bound."""
-        if self.ouroboros_split is not None:
+        plan = self.plan
+        if self.pipeline_split is not None:
             return functools.partial(
                 ouroboros.train_step,
-                split=self.ouroboros_split,
-                replay=self.ouroboros_replay,
+                split=self.pipeline_split,
+                replay=plan.pipeline.replay,
                 mesh=self.mesh,
-                model_config=self.model_config,
+                model_config=plan.model,
                 optimizer=self.optimizer,
                 schedule=self.schedule,
-                grad_accum_steps=config_lib.grad_accum_steps_on(self.config, self.mesh),
-                nsp_loss_weight=self.nsp_loss_weight,
-                synchronous_steps=self.ouroboros_synchronous_steps,
+                grad_accum_steps=plan.batch.grad_accum_steps,
+                nsp_loss_weight=plan.nsp_loss_weight,
+                synchronous_steps=plan.pipeline.synchronous_steps,
             )
         return functools.partial(
             step_lib.train_step,
-            model_config=self.model_config,
+            model_config=plan.model,
             optimizer=self.optimizer,
             schedule=self.schedule,
-            grad_accum_steps=config_lib.grad_accum_steps_on(self.config, self.mesh),
-            nsp_loss_weight=self.nsp_loss_weight,
-            layer_drop=self.layer_drop,
-            num_frozen_layers=self.num_frozen_layers,
-            standardization_loss_weight=self.standardization_loss_weight,
+            grad_accum_steps=plan.batch.grad_accum_steps,
+            nsp_loss_weight=plan.nsp_loss_weight,
+            layer_drop=plan.layer_drop,
+            num_frozen_layers=plan.num_frozen_layers,
+            standardization_loss_weight=plan.standardization_loss_weight,
         )
 
     def batches(self, split: str, global_batch_size: int, seed: int, **kwargs):
@@ -141,17 +153,17 @@ class Phase:
             self.prepared,
             split=split,
             global_batch_size=global_batch_size,
-            max_predictions_per_seq=self.config.max_predictions_per_seq,
+            max_predictions_per_seq=self.plan.batch.max_predictions_per_seq,
             seed=seed,
             process_index=jax.process_index(),
             process_count=jax.process_count(),
             **kwargs,
         )
 
-    def checkpoint_meta(self, config) -> dict:
+    def checkpoint_meta(self, config_json: str) -> dict:
         """What a checkpoint records beside the state: the run's config, model, vocabulary."""
         return {
-            "config": config.to_json_best_effort(),
+            "config": config_json,
             "model_config": dataclasses.asdict(self.model_config),
             "phase": self.name,
             "vocab_file": self.prepared.vocab_file,
@@ -162,58 +174,36 @@ class Phase:
         return functools.partial(step_lib.eval_step, model_config=self.model_config)
 
 
-def build_phase(config, name: str, index: int, step_offset: int) -> Phase:
-    phase_config = config.phases[name]
-    prepared = prepare_data(config, phase_config.max_seq_length)
-    model_config = config_lib.model_config(config, prepared.vocab_size, name)
-    if phase_config.max_seq_length > model_config.max_position_embeddings:
-        raise config_lib.ConfigError(
-            f"config.phases.{name}.max_seq_length={phase_config.max_seq_length} exceeds the "
-            f"model's max_position_embeddings={model_config.max_position_embeddings}"
-        )
-    schedule = optimizer_lib.learning_rate_schedule(phase_config)
-    layer_drop = None
-    if config.layer_drop.enabled:
-        drop = config.layer_drop
-        layer_drop = LayerDrop(drop.theta_bar, drop.gamma, step_offset=step_offset)
+def build_phase(plan: PhasePlan, prepared: data_lib.Prepared) -> Phase:
+    schedule = optimizer_lib.learning_rate_schedule(plan.schedule)
     return Phase(
-        name=name,
-        index=index,
-        config=phase_config,
-        step_offset=step_offset,
+        plan=plan,
         prepared=prepared,
-        model_config=model_config,
-        mesh=sharding.make_mesh(config_lib.phase_mesh(config, name)),
+        mesh=sharding.make_mesh(plan.mesh),
         schedule=schedule,
-        optimizer=optimizer_lib.make_optimizer(config_lib.phase_optimizer(config, name), schedule),
-        num_frozen_layers=phase_config.frozen_layers,
-        layer_drop=layer_drop,
-        nsp_loss_weight=1.0 if config.data.next_sentence_prediction else 0.0,
-        standardization_loss_weight=config.standardization_loss.weight,
-        ouroboros_split=(
-            ouroboros.Split(config.ouroboros.num_modules, model_config.num_layers)
-            if config.ouroboros.num_modules > 1
-            else None
-        ),
-        ouroboros_replay=config.ouroboros.replay,
-        ouroboros_synchronous_steps=config.ouroboros.synchronous_steps,
+        optimizer=optimizer_lib.make_optimizer(plan.optimizer, schedule),
     )
 
 
-def prepare_data(config, max_seq_length: int) -> data_lib.Prepared:
-    """The dataset of the phase at `max_seq_length`.
+def prepare_vocabulary(data_config) -> data_lib.Vocabulary:
+    """The run's vocabulary; its size is part of the run's plan (the model's embeddings)."""
+    return _prepared(lambda build: data_lib.vocabulary(data_config, build=build))
 
-    A single-host run builds what is missing, for every phase of the run at once (one Beam
+
+def prepare_data(run: RunPlan) -> dict[int, data_lib.Prepared]:
+    """The run's datasets, by sequence length."""
+    return _prepared(lambda build: data_lib.prepare_all(run.data, run.seq_lengths, build=build))
+
+
+def _prepared(find_or_build: Callable):
+    """A single-host run builds what is missing, for every phase of the run at once (one Beam
     pipeline, on the DirectRunner). A multi-host run never builds: that is
     `python -m lambjax.prepare`'s job, run once before the pod starts, and a run whose data
-    is missing stops here, before anything is compiled, naming that command.
-    """
-    lengths = sorted({config.phases[name].max_seq_length for name in config.phase_order})
-    lengths = sorted(set(lengths) | {max_seq_length})
+    is missing stops before anything is compiled, naming that command."""
     if jax.process_count() == 1:
-        return data_lib.prepare_all(config.data, lengths)[max_seq_length]
+        return find_or_build(True)
     try:
-        return data_lib.prepare_all(config.data, lengths, build=False)[max_seq_length]
+        return find_or_build(False)
     except data_lib.NotPrepared as error:
         raise data_lib.NotPrepared(
             f"{error}; a run on {jax.process_count()} processes does not build data: run "
@@ -233,7 +223,7 @@ def prepare_command() -> str:
 
 
 def initial_state(
-    config,
+    run: RunPlan,
     workdir: str,
     phase: Phase,
     ckpt: checkpointing.PhaseCheckpoints,
@@ -249,40 +239,25 @@ def initial_state(
     if restored is not None:
         logging.info("Phase %s: resuming from its checkpoint at step %d", phase.name, restored.step)
         return restored.state, restored.data_state, restored.step
-    if phase.index > 0:
-        return from_previous_phase(config, workdir, phase, init_optimizer), None, 0
-    logging.info("Phase %s: initialising from scratch (seed %d)", phase.name, config.seed)
-    return init_state(jax.random.key(config.seed)), None, 0
+    if phase.plan.previous is not None:
+        return from_previous_phase(run, workdir, phase, init_optimizer), None, 0
+    logging.info("Phase %s: initialising from scratch (seed %d)", phase.name, run.seed)
+    return init_state(jax.random.key(run.seed)), None, 0
 
 
-def previous_phase(config, phase: Phase) -> Phase:
-    """The phase before `phase`, as far as restoring its final state needs it."""
-    name = config.phase_order[phase.index - 1]
-    schedule = optimizer_lib.learning_rate_schedule(config.phases[name])
-    return dataclasses.replace(
-        phase,
-        name=name,
-        index=phase.index - 1,
-        config=config.phases[name],
-        optimizer=optimizer_lib.make_optimizer(config_lib.phase_optimizer(config, name), schedule),
-        model_config=config_lib.model_config(config, phase.model_config.vocab_size, name),
-        num_frozen_layers=config.phases[name].frozen_layers,
-    )
-
-
-def from_previous_phase(config, workdir: str, phase: Phase, init_optimizer: Callable):
+def from_previous_phase(run: RunPlan, workdir: str, phase: Phase, init_optimizer: Callable):
     """The phase transition: the previous phase's final parameters, grown to this phase's
     depth; its moments (step count restarted) or a fresh optimizer state."""
-    previous = previous_phase(config, phase)
-    keep = phase.config.optimizer_state == "keep"
-    # Kept moments need the same optimizer, depth and frozen layers (validated): this phase's
-    # target then fits; otherwise the previous state may have another structure.
+    previous = build_phase(phase.plan.previous, phase.prepared)  # its state's structure
+    keep = phase.plan.optimizer_state == "keep"
+    # Kept moments need the same optimizer, depth and frozen layers (checked by the plan):
+    # this phase's target then fits; otherwise the previous state may have another structure.
     target = previous.abstract_state()
     if keep:  # the previous phase's pipeline buffers have its shapes; they are not kept
         target = phase.abstract_state().replace(pipeline=target.pipeline)
-    final_step = previous.config.num_steps
+    final_step = previous.plan.num_steps
     ckpt = checkpointing.PhaseCheckpoints(
-        workdir, previous.name, max_to_keep=config.max_checkpoints_to_keep, async_save=False
+        workdir, previous.name, max_to_keep=run.max_checkpoints_to_keep, async_save=False
     )
     restored = ckpt.restore_latest(target, step=final_step)
     ckpt.close()
@@ -302,7 +277,7 @@ def from_previous_phase(config, workdir: str, phase: Phase, init_optimizer: Call
         depth,
         new_depth,
         phase.num_frozen_layers,
-        phase.config.optimizer_state,
+        phase.plan.optimizer_state,
     )
     if depth < new_depth:
         _, params = stacking.grow_layers(previous.model_config, params, new_depth)
@@ -315,31 +290,26 @@ def from_previous_phase(config, workdir: str, phase: Phase, init_optimizer: Call
     return jax.device_put(state, phase.state_shardings)
 
 
-def train_step_flops(config, name: str, vocab_size: int) -> int:
-    """Model FLOPs of one optimizer step of phase `name` (lambjax.train.throughput)."""
-    phase_config = config.phases[name]
+def train_step_flops(plan: PhasePlan) -> int:
+    """Model FLOPs of one optimizer step of the phase (lambjax.train.throughput)."""
     return throughput.train_step_flops(
-        config_lib.model_config(config, vocab_size, name),
-        phase_config.global_batch_size,
-        phase_config.max_seq_length,
-        phase_config.max_predictions_per_seq,
-        num_frozen_layers=phase_config.frozen_layers,
+        plan.model,
+        plan.batch.global_batch_size,
+        plan.batch.max_seq_length,
+        plan.batch.max_predictions_per_seq,
+        num_frozen_layers=plan.num_frozen_layers,
     )
 
 
-def later_phases_flops(config, phase: Phase) -> int:
-    """Model FLOPs of every step of the phases after `phase` (for the run's ETA)."""
-    later = config.phase_order[phase.index + 1 :]
-    vocab_size = phase.model_config.vocab_size
-    return sum(
-        config.phases[name].num_steps * train_step_flops(config, name, vocab_size) for name in later
-    )
+def later_phases_flops(run: RunPlan, plan: PhasePlan) -> int:
+    """Model FLOPs of every step of the phases after `plan` (for the run's ETA)."""
+    return sum(p.num_steps * train_step_flops(p) for p in run.phases[plan.index + 1 :])
 
 
-def throughput_meter(config, phase: Phase) -> throughput.Throughput:
-    peak = throughput.peak_flops_per_device(config.peak_flops_per_device)
+def throughput_meter(run: RunPlan, plan: PhasePlan) -> throughput.Throughput:
+    peak = throughput.peak_flops_per_device(run.peak_flops_per_device)
     return throughput.Throughput(
-        tokens_per_step=phase.config.global_batch_size * phase.config.max_seq_length,
-        flops_per_step=train_step_flops(config, phase.name, phase.model_config.vocab_size),
+        tokens_per_step=plan.batch.global_batch_size * plan.batch.max_seq_length,
+        flops_per_step=train_step_flops(plan),
         peak_flops=peak * jax.device_count() if peak else None,
     )

@@ -88,3 +88,31 @@ def grow_layers(config: BertConfig, params: dict, num_layers: int) -> tuple[Bert
     grown = jax.tree.map(lambda x: x[index], params["encoder"]["layers"])
     params = {**params, "encoder": {**params["encoder"], "layers": grown}}
     return dataclasses.replace(config, num_layers=num_layers), params
+
+
+def check(phases) -> None:
+    """The stages' depths and frozen layers across the run's phase plans: a stage may only
+    grow the encoder, and one that changes what trains starts a fresh optimizer state."""
+    for phase in phases:
+        where, depth = f"config.phases.{phase.name}", phase.model.num_layers
+        if not 0 <= phase.num_frozen_layers < depth:
+            raise ValueError(
+                f"{where}.frozen_layers={phase.num_frozen_layers} must lie in [0, {depth}) for "
+                f"its {depth} layers (at least the top layer trains)"
+            )
+        previous = phase.previous
+        if previous is None:
+            continue
+        previous_depth = previous.model.num_layers
+        if depth < previous_depth:
+            raise ValueError(
+                f"{where} has {depth} layers, fewer than the {previous_depth} of the phase "
+                f"before it: stages may only grow the encoder"
+            )
+        changed = depth != previous_depth or phase.num_frozen_layers != previous.num_frozen_layers
+        if changed and phase.optimizer_state == "keep":
+            raise ValueError(
+                f"{where} changes the trained layers (depth {previous_depth} -> {depth}, "
+                f"frozen {previous.num_frozen_layers} -> {phase.num_frozen_layers}), so the "
+                f"optimizer state cannot be kept: set {where}.optimizer_state='reset'"
+            )

@@ -1,11 +1,12 @@
 """The training loop: the phases of a run in order, with evaluation, metrics, checkpoints.
 
-`train_and_evaluate(config, workdir)` runs every phase of `config.phase_order` that has not
-finished yet. For each phase it compiles the steps once (`compile_steps`, the one place
-lambjax calls `jax.jit`), takes its starting state by the restore order of
-lambjax.train.phases, then iterates: a train step, and at their intervals log, evaluate and
-save. A stop request (SIGTERM, or a pod's preemption notice) saves at the next step boundary
-and ends the run; the same command continues it.
+`train_and_evaluate(config, workdir)` resolves the config into a run plan
+(lambjax.train.plan) and runs every phase that has not finished yet. For each phase it
+compiles the steps once (`compile_steps`, the one place lambjax calls `jax.jit`), takes its
+starting state by the restore order of lambjax.train.phases, then iterates: a train step,
+and at their intervals log, evaluate and save. A stop request (SIGTERM, or a pod's
+preemption notice) saves at the next step boundary and ends the run; the same command
+continues it.
 """
 
 import dataclasses
@@ -22,11 +23,12 @@ from clu import parameter_overview, periodic_actions
 from lambjax import data as data_lib
 from lambjax import distributed, sharding, storage
 from lambjax.train import checkpointing, phases
-from lambjax.train import config as config_lib
 from lambjax.train import metrics as metrics_lib
+from lambjax.train import plan as plan_lib
 from lambjax.train import step as step_lib
 from lambjax.train import workdir as workdir_lib
 from lambjax.train.phases import Phase
+from lambjax.train.plan import RunPlan
 
 
 class TrainingStopped(RuntimeError):
@@ -72,42 +74,47 @@ def compile_steps(phase: Phase) -> CompiledSteps:
 def train_and_evaluate(config, workdir: str) -> dict:
     """Runs the remaining phases; returns the last phase's final evaluation metrics."""
     workdir = storage.resolve(workdir)
-    config_lib.validate(config, num_devices=jax.device_count(), process_count=jax.process_count())
-    workdir_lib.check(config, workdir)
+    workdir_lib.check(config.to_json_best_effort(), workdir)
     for flag, path in data_lib.paths(config.data):
         storage.check_reachable(path, flag)
+    vocabulary = phases.prepare_vocabulary(config.data)
+    run = plan_lib.resolve(
+        config,
+        vocab_size=vocabulary.size,
+        num_devices=jax.device_count(),
+        process_count=jax.process_count(),
+    )
+    datasets = phases.prepare_data(run)
     writer = metrics_lib.create_writer(workdir)
     stop = distributed.StopRequest()
     results = []
-    step_offset = 0
     try:
-        for index, name in enumerate(config.phase_order):
-            phase = phases.build_phase(config, name, index, step_offset)
-            results.append(run_phase(config, workdir, phase, writer, stop))
+        for plan in run.phases:
+            phase = phases.build_phase(plan, datasets[plan.batch.max_seq_length])
+            results.append(run_phase(run, workdir, phase, writer, stop))
             if results[-1].stopped:
-                logging.info("Stopped in phase %s; rerun the same command to continue.", name)
+                logging.info("Stopped in phase %s; rerun the same command to continue.", plan.name)
                 break
-            step_offset += phase.config.num_steps
     finally:
         writer.close()
     log_summary(workdir, results)
     return results[-1].eval_metrics
 
 
-def run_phase(config, workdir: str, phase: Phase, writer, stop) -> PhaseResult:
+def run_phase(run: RunPlan, workdir: str, phase: Phase, writer, stop) -> PhaseResult:
     """Trains one phase to its last step, or until a stop is requested."""
     started = time.perf_counter()
     ckpt = checkpointing.PhaseCheckpoints(
         workdir,
         phase.name,
-        max_to_keep=config.max_checkpoints_to_keep,
-        async_save=config.async_checkpointing,
+        max_to_keep=run.max_checkpoints_to_keep,
+        async_save=run.async_checkpointing,
     )
     steps = compile_steps(phase)
     state, data_state, step = phases.initial_state(
-        config, workdir, phase, ckpt, steps.init_state, steps.init_optimizer
+        run, workdir, phase, ckpt, steps.init_state, steps.init_optimizer
     )
-    if step >= phase.config.num_steps:
+    if step >= phase.plan.num_steps:
         logging.info("Phase %s already finished (step %d).", phase.name, step)
         ckpt.close()
         return PhaseResult(phase.name, step, 0.0, {})
@@ -115,7 +122,7 @@ def run_phase(config, workdir: str, phase: Phase, writer, stop) -> PhaseResult:
         parameter_overview.log_parameter_overview(
             state.params, include_stats=False, msg=f"Parameters of {phase.model_config}"
         )
-    loop = PhaseLoop(config, workdir, phase, writer, ckpt, steps, data_state)
+    loop = PhaseLoop(run, workdir, phase, writer, ckpt, steps, data_state)
     step, stopped = loop.run(state, step, stop)
     writer.flush()
     ckpt.close()
@@ -127,19 +134,19 @@ def run_phase(config, workdir: str, phase: Phase, writer, stop) -> PhaseResult:
 class PhaseLoop:
     """One phase's iterations, and what happens at the log, eval and checkpoint intervals."""
 
-    def __init__(self, config, workdir, phase: Phase, writer, ckpt, steps, data_state):
-        self.config, self.workdir, self.phase = config, workdir, phase
+    def __init__(self, run: RunPlan, workdir, phase: Phase, writer, ckpt, steps, data_state):
+        self.run_plan, self.workdir, self.phase = run, workdir, phase
         self.writer, self.ckpt, self.steps = writer, ckpt, steps
         self.batch_sharding = sharding.batch_sharding(phase.mesh)
         self.train_iter = phase.batches(
-            "train", phase.config.global_batch_size, config.seed + phase.index
+            "train", phase.plan.batch.global_batch_size, run.seed + phase.index
         )
         if data_state is not None:
             self.train_iter.set_state(data_state)
-        self.rng = jax.random.fold_in(jax.random.key(config.seed), phase.index)
-        self.meta = phase.checkpoint_meta(config)
-        self.throughput = phases.throughput_meter(config, phase)
-        self.later_phases_flops = phases.later_phases_flops(config, phase)
+        self.rng = jax.random.fold_in(jax.random.key(run.seed), phase.index)
+        self.meta = phase.checkpoint_meta(run.config_json)
+        self.throughput = phases.throughput_meter(run, phase.plan)
+        self.later_phases_flops = phases.later_phases_flops(run, phase.plan)
         self.pending_metrics = []
         self.eval_metrics = {}
 
@@ -151,10 +158,10 @@ class PhaseLoop:
 
     def run(self, state, step: int, stop) -> tuple[int, bool]:
         """(final step, whether a stop was requested)."""
-        config, num_steps = self.config, self.phase.config.num_steps
+        run, num_steps = self.run_plan, self.phase.plan.num_steps
         logging.info("Phase %s: training steps %d..%d", self.phase.name, step + 1, num_steps)
         hooks = []
-        if config.profile and jax.process_index() == 0:
+        if run.profile and jax.process_index() == 0:
             logdir = metrics_lib.local_logdir(self.writer, self.workdir)
             hooks.append(periodic_actions.Profile(logdir=logdir, first_profile=step + 5))
         while step < num_steps:
@@ -168,11 +175,11 @@ class PhaseLoop:
             for hook in hooks:
                 hook(step)
             is_last = step == num_steps
-            if step % config.log_every_steps == 0 or is_last:
+            if step % run.log_every_steps == 0 or is_last:
                 self.log(step, state)
-            if step % config.eval_every_steps == 0 or is_last:
+            if step % run.eval_every_steps == 0 or is_last:
                 self.evaluate(step, state.params)
-            if step % config.checkpoint_every_steps == 0 or is_last:
+            if step % run.checkpoint_every_steps == 0 or is_last:
                 self.save(step, state)
         return step, False
 
@@ -184,19 +191,19 @@ class PhaseLoop:
         train.update(self.throughput.measure(step))
         train["phase"] = self.phase.index + 1
         self.writer.write_scalars(
-            self.phase.step_offset + step, {f"train/{k}": v for k, v in train.items()}
+            self.phase.plan.step_offset + step, {f"train/{k}": v for k, v in train.items()}
         )
         if jax.process_index() == 0:
             logging.info("%s", self.progress_line(step, train))
-        check_nonfinite(state, step, self.config.max_consecutive_nonfinite_steps)
+        check_nonfinite(state, step, self.run_plan.max_consecutive_nonfinite_steps)
 
     def progress_line(self, step: int, train: dict) -> str:
         eta_phase = eta_run = None
         if "step_time_s" in train:  # later phases at this phase's FLOP rate
-            eta_phase = (self.phase.config.num_steps - step) * train["step_time_s"]
+            eta_phase = (self.phase.plan.num_steps - step) * train["step_time_s"]
             eta_run = eta_phase + self.later_phases_flops / train["flops_per_s"]
         return metrics_lib.progress_line(
-            self.phase.name, step, self.phase.config.num_steps, train, eta_phase, eta_run
+            self.phase.name, step, self.phase.plan.num_steps, train, eta_phase, eta_run
         )
 
     def evaluate(self, step: int, params) -> None:
@@ -204,25 +211,25 @@ class PhaseLoop:
         if metrics:
             self.eval_metrics = metrics
             self.writer.write_scalars(
-                self.phase.step_offset + step, {f"eval/{k}": v for k, v in metrics.items()}
+                self.phase.plan.step_offset + step, {f"eval/{k}": v for k, v in metrics.items()}
             )
         self.throughput.reset(step)
 
     def evaluation(self, params) -> dict:
         """MLM loss and accuracy on the held-out split (the MLPerf metric), plus NSP."""
-        config, phase = self.config, self.phase
+        run, phase = self.run_plan, self.phase
         if "validation" not in phase.prepared.data_sources:
             logging.warning("Phase %s: no validation split was built; no evaluation.", phase.name)
             return {}
         totals = None
-        batches = phase.batches("validation", config.eval_batch_size, config.seed, num_epochs=1)
+        batches = phase.batches("validation", run.eval_batch_size, run.seed, num_epochs=1)
         for index, batch in enumerate(batches):
-            if config.eval_steps and index >= config.eval_steps:
+            if run.eval_steps and index >= run.eval_steps:
                 break
             stats = self.steps.eval(params, self.to_global(batch))
             totals = stats if totals is None else jax.tree.map(jnp.add, totals, stats)
         if totals is None:
-            size = config.eval_batch_size
+            size = run.eval_batch_size
             logging.warning("Phase %s: no validation batch of %d; no evaluation.", phase.name, size)
             return {}
         metrics = jax.device_get(step_lib.metrics_from_stats(totals))
@@ -231,7 +238,7 @@ class PhaseLoop:
     def save(self, step: int, state) -> None:
         self.writer.flush()  # the metrics reach every checkpoint (in a bucket too)
         if not self.ckpt.steps():  # the phase's first checkpoint: the config it runs
-            workdir_lib.save_config(self.config, self.workdir)
+            workdir_lib.save_config(self.run_plan.config_json, self.workdir)
         self.ckpt.save(step, state, self.train_iter.get_state(), self.meta)
 
 

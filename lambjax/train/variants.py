@@ -19,7 +19,7 @@ import copy
 
 import ml_collections
 
-from lambjax.train.config import ConfigError, model_config, with_phases
+from lambjax.train.config import ConfigError, model_depth, with_phases
 
 
 def runlocal(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
@@ -84,7 +84,7 @@ def multi_stage(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     The paper's per-stage step counts and its final stage are not published; these are
     choices.
     """
-    depths = stage_depths(model_config(config, vocab_size=1).num_layers)
+    depths = stage_depths(model_depth(config))
     first, *later = config.phase_order
     template = config.phases[first]
     share, extra = divmod(template.num_steps, len(depths))
@@ -138,7 +138,7 @@ def ouroboros(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     (the runlocal model's 2 layers). The rest of the devices go to the data axis.
     `--config.ouroboros.num_modules` and `--config.mesh.stage` (= num_modules - 1) change it.
     """
-    depth = model_config(config, vocab_size=1).num_layers
+    depth = model_depth(config)
     modules = 4 if depth % 3 == 0 else 3
     config.ouroboros.num_modules = modules
     config.mesh.stage = modules - 1

@@ -55,14 +55,15 @@ class WorkdirError(ValueError):
     """The workdir cannot hold this run; the message names the path and what to do."""
 
 
-def check(config, workdir: str) -> None:
-    """Raises WorkdirError unless `workdir` can hold a run of `config` (see the module doc)."""
+def check(config_json: str, workdir: str) -> None:
+    """Raises WorkdirError unless `workdir` can hold a run of the config (given as its JSON,
+    `ConfigDict.to_json_best_effort()`; see the module doc)."""
     ensure_writable(workdir)
     saved = saved_config(workdir)
     if saved is None:
         return
     started = started_phases(workdir)
-    differences, accepted = compare(saved, json.loads(config.to_json_best_effort()), started)
+    differences, accepted = compare(saved, json.loads(config_json), started)
     for line in accepted:
         logging.info("Resuming with a changed setting: %s", line)
     if differences:
@@ -131,11 +132,12 @@ def saved_config(workdir: str) -> dict | None:
     return None
 
 
-def save_config(config, workdir: str) -> None:
-    """Writes the run's defining config (process 0; with a phase's first checkpoint)."""
+def save_config(config_json: str, workdir: str) -> None:
+    """Writes the run's defining config, given as its JSON (process 0; with a phase's first
+    checkpoint)."""
     if jax.process_index() != 0:
         return
-    text = json.dumps(json.loads(config.to_json_best_effort()), indent=2) + "\n"
+    text = json.dumps(json.loads(config_json), indent=2) + "\n"
     storage.write_text(epath.Path(workdir) / CONFIG_FILE, text)
 
 

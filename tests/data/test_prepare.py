@@ -8,7 +8,7 @@ import pytest
 
 from lambjax import cli, data
 from lambjax.data import beam_build
-from lambjax.train import phases
+from lambjax.train import phases, plan
 from tests.helpers import run
 
 CONFIG = "configs/default.py:runlocal"
@@ -28,19 +28,20 @@ def prepare_command(data_dir, *flags):
 def test_multi_host_run_stops_then_finds_what_prepare_built(tmp_path, monkeypatch):
     config = cli.load_config(CONFIG)
     config.data.data_dir = str(tmp_path)
-    seq = config.phases[config.phase_order[0]].max_seq_length
     monkeypatch.setattr(jax, "process_count", lambda: 2)
     monkeypatch.setattr(sys, "argv", ["lambjax.main", f"--config={CONFIG}", "--workdir=/w"])
     with pytest.raises(data.NotPrepared) as error:
-        phases.prepare_data(config, seq)
+        phases.prepare_vocabulary(config.data)
     message = str(error.value)
     assert "\n" not in message and f"python -m lambjax.prepare --config={CONFIG}`" in message
 
     result = run(prepare_command(tmp_path, "--beam_pipeline_options=direct_num_workers=1"), 1)
     summary = result.stdout.strip().splitlines()[-1]
     assert summary.startswith("prepare: ") and "train" in summary and str(tmp_path) in summary
-    for name in config.phase_order:  # what training reads, and may not build on 2 hosts
-        prepared = phases.prepare_data(config, config.phases[name].max_seq_length)
+    # What training reads, and may not build on 2 hosts:
+    vocab_size = phases.prepare_vocabulary(config.data).size
+    run_plan = plan.resolve(config, vocab_size=vocab_size, num_devices=1, process_count=2)
+    for prepared in phases.prepare_data(run_plan).values():
         assert prepared.num_examples("train") > 0
     again = run(prepare_command(tmp_path), 1)
     assert "nothing to build" in again.stdout

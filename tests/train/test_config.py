@@ -5,9 +5,20 @@ import os
 import pytest
 
 from lambjax.train import config as config_lib
+from lambjax.train import plan as plan_lib
 
 CONFIG_DIR = os.path.join(os.path.dirname(__file__), "..", "..", "configs")
 CONFIG_FILES = sorted(glob.glob(os.path.join(CONFIG_DIR, "*.py")))
+
+
+def validate(config, num_devices, process_count=1):
+    """The config resolved into its run plan, as a run on `num_devices` devices does."""
+    return plan_lib.resolve(
+        config,
+        vocab_size=config.data.vocab_size,
+        num_devices=num_devices,
+        process_count=process_count,
+    )
 
 
 def load(path, variant=None):
@@ -45,7 +56,7 @@ def test_every_config_and_its_variants_validate(path, variant):
     config = load(path, variant)
     # The recipes need a pod; their runlocal forms must fit this machine's 8 fake devices.
     num_devices = 8 if "runlocal" in (variant or "") or "default" in path else 256
-    config_lib.validate(config, num_devices=num_devices)
+    validate(config, num_devices=num_devices)
     if variant and "mslt" in variant:
         assert config.phase_order[-1] == "phase2" and len(config.phase_order) >= 3
     else:
@@ -77,7 +88,7 @@ def test_the_standardization_loss_needs_a_model_without_layer_norm():
     assert config.standardization_loss.weight == 1e-4
     config.model.overrides.normalization = "layer_norm"
     with pytest.raises(config_lib.ConfigError, match="standardization_loss.weight=0.0001"):
-        config_lib.validate(config, num_devices=8)
+        validate(config, num_devices=8)
 
 
 def test_pld_recipe_uses_preln_and_the_papers_settings():
@@ -148,7 +159,7 @@ def test_bad_phase_configs_name_the_value(change, message):
     if "grad_accum_steps" not in change:
         config.phases.phase1.grad_accum_steps = 4
     with pytest.raises(config_lib.ConfigError, match=message):
-        config_lib.validate(config, num_devices=8)
+        validate(config, num_devices=8)
 
 
 @pytest.mark.parametrize(
@@ -161,49 +172,49 @@ def test_bad_phase_configs_name_the_value(change, message):
 )
 def test_bad_stage_configs_name_the_value(change, message):
     with pytest.raises(config_lib.ConfigError, match=message):
-        config_lib.validate(default(**change), num_devices=1)
+        validate(default(**change), num_devices=1)
 
 
 def test_a_stage_that_changes_the_trained_layers_must_reset_the_optimizer():
     config = default(num_layers=1)
     with pytest.raises(config_lib.ConfigError, match="phase2.optimizer_state='reset'"):
-        config_lib.validate(config, num_devices=1)
+        validate(config, num_devices=1)
     config.phases.phase2.optimizer_state = "reset"
-    config_lib.validate(config, num_devices=1)
+    validate(config, num_devices=1)
 
 
 def test_layer_drop_needs_preln_and_valid_settings():
     config = default()
     config.layer_drop.enabled = True
     with pytest.raises(config_lib.ConfigError, match="layer_norm='post'.*overrides.layer_norm=pre"):
-        config_lib.validate(config, num_devices=1)
+        validate(config, num_devices=1)
     config.model.overrides.layer_norm = "pre"
-    config_lib.validate(config, num_devices=1)
+    validate(config, num_devices=1)
     config.layer_drop.theta_bar = 0.0
     with pytest.raises(config_lib.ConfigError, match=r"theta_bar=0.0 must lie in \(0, 1\]"):
-        config_lib.validate(config, num_devices=1)
+        validate(config, num_devices=1)
 
 
 def test_bad_top_level_configs_name_the_value():
     config = default()
     config.optimizer.name = "sgd"
     with pytest.raises(config_lib.ConfigError, match="optimizer name 'sgd'.*valid"):
-        config_lib.validate(config, num_devices=8)
+        validate(config, num_devices=8)
 
     config = default()
     config.mesh.data = 3
     with pytest.raises(config_lib.ConfigError, match="needs 3 devices but 8 are available"):
-        config_lib.validate(config, num_devices=8)
+        validate(config, num_devices=8)
 
     config = default()
     config.phase_order = ("phase1", "phase3")
     with pytest.raises(config_lib.ConfigError, match="phase3"):
-        config_lib.validate(config, num_devices=8)
+        validate(config, num_devices=8)
 
     config = default()
     config.phases.phase2.optimizer.name = "lans"
     with pytest.raises(config_lib.ConfigError, match="optimizer_state='keep' needs the same"):
-        config_lib.validate(config, num_devices=8)
+        validate(config, num_devices=8)
 
     with pytest.raises(config_lib.ConfigError, match=r"argument 'huge': \['huge'\] not understood"):
         load(CONFIG_FILES[0], "huge")
@@ -214,12 +225,7 @@ def test_bad_top_level_configs_name_the_value():
 
 
 def accumulation(config, num_devices):
-    config_lib.validate(config, num_devices=num_devices)
-    data_parallel = num_devices  # the recipes' mesh is all data / fsdp
-    return [
-        config_lib.grad_accum_steps(config.phases[name], data_parallel)
-        for name in config.phase_order
-    ]
+    return [phase.batch.grad_accum_steps for phase in validate(config, num_devices).phases]
 
 
 @pytest.mark.parametrize(
@@ -286,7 +292,7 @@ def test_a_micro_batch_that_cannot_fit_names_the_numbers(batch, per_device, devi
     config.phases.phase1.global_batch_size = batch
     config.phases.phase1.micro_batch_per_device = per_device
     with pytest.raises(config_lib.ConfigError) as error:
-        config_lib.validate(config, num_devices=devices)
+        validate(config, num_devices=devices)
     line = str(error.value)
     assert line.startswith("config.phases.phase1: ") and line.endswith(message), line
     assert "\n" not in line
@@ -295,4 +301,4 @@ def test_a_micro_batch_that_cannot_fit_names_the_numbers(batch, per_device, devi
 def test_micro_batch_per_device_must_be_positive():
     config = default(micro_batch_per_device=0)
     with pytest.raises(config_lib.ConfigError, match="micro_batch_per_device=0 must be a pos"):
-        config_lib.validate(config, num_devices=8)
+        validate(config, num_devices=8)

@@ -353,6 +353,7 @@ def test_a_bad_ouroboros_setting_ends_with_one_line(tmp_path, data_dir):
 def test_bad_ouroboros_settings_name_the_field(settings, message):
     from configs import bert_lamb
     from lambjax.train import config as config_lib
+    from lambjax.train import plan as plan_lib
 
     config = bert_lamb.get_config("ouroboros,runlocal")
     for field, value in settings.items():
@@ -362,5 +363,5 @@ def test_bad_ouroboros_settings_name_the_field(settings, message):
             node = node[parent]
         node[name] = value
     with pytest.raises(config_lib.ConfigError) as error:
-        config_lib.validate(config, num_devices=4)
+        plan_lib.resolve(config, vocab_size=config.data.vocab_size, num_devices=4)
     assert message in str(error.value)

@@ -105,9 +105,10 @@ def test_phase_order_may_grow_but_not_move_a_started_phase():
 def test_saved_config_round_trips_and_a_damaged_one_is_named(tmp_path):
     workdir = str(tmp_path)
     assert workdir_lib.saved_config(workdir) is None
-    workdir_lib.save_config(config(), workdir)
+    workdir_lib.save_config(config().to_json_best_effort(), workdir)
     assert workdir_lib.saved_config(workdir) == as_json(config())
-    workdir_lib.save_config(config(num_steps=5), workdir)  # a later phase's first checkpoint
+    # A later phase's first checkpoint:
+    workdir_lib.save_config(config(num_steps=5).to_json_best_effort(), workdir)
     assert workdir_lib.saved_config(workdir)["phases"]["phase1"]["num_steps"] == 5
     (tmp_path / "config.json").write_text("{not json")
     with pytest.raises(workdir_lib.WorkdirError, match="config.json cannot be read"):
@@ -204,7 +205,7 @@ def test_workdir_mistakes_are_named(tmp_path):
         (damaged, f"{damaged / 'config.json'} cannot be read"),
     ):
         with pytest.raises(workdir_lib.WorkdirError) as error:
-            workdir_lib.check(config(), str(workdir))
+            workdir_lib.check(config().to_json_best_effort(), str(workdir))
         assert str(error.value).startswith(message)
     assert a_file.read_text() == "not a directory"
     assert os.listdir(damaged) == ["config.json"]

@@ -1,0 +1,395 @@
+"""The config resolved once: a run plan, and one typed, frozen plan per phase.
+
+`resolve(config, vocab_size=..., num_devices=..., process_count=...)` reads the
+ml_collections config (and the size of the vocabulary the data uses) exactly once, checks
+it, and returns a `RunPlan`: the run's settings and, in `phases`, a `PhasePlan` per phase
+with everything the code below needs (model, optimizer and schedule, mesh, batch geometry,
+data options, the variants' settings). Nothing downstream reads the config again; growing
+from the previous phase reads `PhasePlan.previous`.
+
+Checks live beside their feature and are collected here, in one pass, before anything is
+built: the run's and the phases' own fields below; progressive layer dropping in
+lambjax.train.layer_drop; multi-stage layerwise training in lambjax.train.stacking; the
+standardization loss in lambjax.models.standardization; Ouroboros in
+lambjax.train.ouroboros. Each raises `ConfigError` (a ValueError) naming the field, the
+value and what would be valid.
+"""
+
+import dataclasses
+from collections.abc import Mapping
+
+import ml_collections
+
+from lambjax import sharding
+from lambjax.models import bert, standardization
+from lambjax.train import layer_drop, ouroboros, stacking
+from lambjax.train.config import (
+    OPTIMIZER_STATE_AT_PHASE_START,
+    OPTIMIZERS,
+    SCHEDULES,
+    ConfigError,
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimizerPlan:
+    """The phase's optimizer (lambjax.train.optimizer.make_optimizer)."""
+
+    name: str  # lamb | lans | adamw
+    b1: float
+    b2: float
+    eps: float
+    weight_decay: float
+    max_global_norm: float | None  # None: no pre-clip
+    exclude_norms_and_biases_from_trust_ratio: bool  # LAMB: NVIDIA's trust-ratio mask
+    bias_correction: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class SchedulePlan:
+    """The phase's learning-rate schedule (lambjax.train.optimizer.learning_rate_schedule)."""
+
+    schedule: str  # poly_warmup | warmup_constant_decay | constant
+    learning_rate: float
+    num_steps: int
+    warmup_fraction: float
+    constant_fraction: float
+    decay_power: float
+
+
+@dataclasses.dataclass(frozen=True)
+class BatchGeometry:
+    """How a phase's global batch is cut: over processes, micro-batches and devices."""
+
+    global_batch_size: int  # sequences per optimizer step
+    grad_accum_steps: int  # micro-batches per step
+    data_parallel: int  # devices a micro-batch is split over (mesh data x fsdp)
+    process_count: int
+    max_seq_length: int
+    max_predictions_per_seq: int
+
+    @property
+    def micro_batch_size(self) -> int:
+        """Global rows of one micro-batch."""
+        return self.global_batch_size // self.grad_accum_steps
+
+    @property
+    def per_device_micro_batch(self) -> int:
+        return self.micro_batch_size // self.data_parallel
+
+    @property
+    def per_process_batch_size(self) -> int:
+        """Rows of each step's global batch that one process reads."""
+        return self.global_batch_size // self.process_count
+
+
+@dataclasses.dataclass(frozen=True)
+class PipelinePlan:
+    """Ouroboros (lambjax.train.ouroboros), when its number of modules K > 1."""
+
+    num_modules: int
+    replay: str  # stale | current
+    synchronous_steps: int
+
+
+@dataclasses.dataclass(frozen=True)
+class PhasePlan:
+    """Everything one phase is built from."""
+
+    name: str
+    index: int
+    step_offset: int  # optimizer steps of all earlier phases (TensorBoard x axis, PLD)
+    num_steps: int
+    batch: BatchGeometry
+    model: bert.BertConfig  # at this phase's depth
+    optimizer: OptimizerPlan
+    schedule: SchedulePlan
+    optimizer_state: str  # at the phase's start: keep the previous moments, or reset
+    mesh: Mapping[str, int]  # every mesh axis's size, -1 resolved
+    num_frozen_layers: int  # bottom layers not trained (a stage of MSLT)
+    layer_drop: layer_drop.LayerDrop | None
+    nsp_loss_weight: float  # 0 without next-sentence prediction
+    standardization_loss_weight: float  # 0: off
+    pipeline: PipelinePlan | None
+    previous: "PhasePlan | None"  # the phase before, whose final state this one starts from
+
+
+@dataclasses.dataclass(frozen=True)
+class RunPlan:
+    """The run: its phases in order, and what the loop does around them."""
+
+    phases: tuple[PhasePlan, ...]
+    seed: int
+    data: ml_collections.FrozenConfigDict  # lambjax.data.default_config() fields
+    log_every_steps: int
+    eval_every_steps: int
+    eval_batch_size: int
+    eval_steps: int  # validation batches per evaluation; 0 = the whole split
+    checkpoint_every_steps: int
+    max_checkpoints_to_keep: int
+    async_checkpointing: bool
+    max_consecutive_nonfinite_steps: int
+    peak_flops_per_device: float  # 0: look up by device kind
+    profile: bool
+    config_json: str  # the config as given, recorded with every checkpoint
+
+    @property
+    def seq_lengths(self) -> list[int]:
+        """The sequence lengths of the phases' datasets."""
+        return sorted({phase.batch.max_seq_length for phase in self.phases})
+
+
+def resolve(config, *, vocab_size: int, num_devices: int, process_count: int = 1) -> RunPlan:
+    """The run plan of `config`, checked; raises ConfigError naming the first bad field."""
+    _check_run(config, process_count)
+    phases, previous, step_offset = [], None, 0
+    for index, name in enumerate(config.phase_order):
+        phase = _phase(
+            config, name, index, step_offset, previous, vocab_size, num_devices, process_count
+        )
+        phases.append(phase)
+        previous, step_offset = phase, step_offset + phase.num_steps
+    _check_features(config, phases)
+    return RunPlan(
+        phases=tuple(phases),
+        seed=config.seed,
+        data=ml_collections.FrozenConfigDict(config.data),
+        log_every_steps=config.log_every_steps,
+        eval_every_steps=config.eval_every_steps,
+        eval_batch_size=config.eval_batch_size,
+        eval_steps=config.eval_steps,
+        checkpoint_every_steps=config.checkpoint_every_steps,
+        max_checkpoints_to_keep=config.max_checkpoints_to_keep,
+        async_checkpointing=config.async_checkpointing,
+        max_consecutive_nonfinite_steps=config.max_consecutive_nonfinite_steps,
+        peak_flops_per_device=config.peak_flops_per_device,
+        profile=config.profile,
+        config_json=config.to_json_best_effort(),
+    )
+
+
+def _check_features(config, phases: list[PhasePlan]) -> None:
+    """The variants' checks, each in its feature's module."""
+    checks = (
+        lambda: layer_drop.check(config.layer_drop, phases),
+        lambda: standardization.check(config.standardization_loss.weight, phases),
+        lambda: stacking.check(phases),
+        lambda: ouroboros.check_plan(config.ouroboros, phases),
+    )
+    for check in checks:
+        try:
+            check()
+        except ConfigError:
+            raise
+        except ValueError as error:
+            raise ConfigError(str(error)) from None
+
+
+def _check_run(config, process_count: int) -> None:
+    if not config.phase_order:
+        raise ConfigError("config.phase_order is empty: name at least one phase")
+    unknown = [p for p in config.phase_order if p not in config.phases]
+    if unknown:
+        raise ConfigError(
+            f"config.phase_order names {unknown}, which are not in config.phases "
+            f"({sorted(config.phases.keys())})"
+        )
+    for field in ("log_every_steps", "eval_every_steps", "checkpoint_every_steps"):
+        if config[field] <= 0:
+            raise ConfigError(f"config.{field}={config[field]} must be a positive integer")
+    if config.eval_batch_size <= 0 or config.eval_batch_size % process_count:
+        raise ConfigError(
+            f"config.eval_batch_size={config.eval_batch_size} must be positive and divisible "
+            f"by the number of processes ({process_count})"
+        )
+
+
+def _phase(
+    config, name, index, step_offset, previous, vocab_size, num_devices, process_count
+) -> PhasePlan:
+    phase, where = config.phases[name], f"config.phases.{name}"
+    _check_phase_fields(phase, where)
+    optimizer = _optimizer(config, name)
+    if previous is not None and phase.optimizer_state == "keep":
+        if previous.optimizer.name != optimizer.name:
+            raise ConfigError(
+                f"{where}.optimizer_state='keep' needs the same optimizer as phase "
+                f"{previous.name!r}; set it to 'reset' to change optimizers"
+            )
+    mesh = _mesh(config, name, num_devices, where)
+    model = _model(config, name, vocab_size)
+    if phase.max_seq_length > model.max_position_embeddings:
+        raise ConfigError(
+            f"{where}.max_seq_length={phase.max_seq_length} exceeds the model's "
+            f"max_position_embeddings={model.max_position_embeddings}"
+        )
+    drop = config.layer_drop
+    return PhasePlan(
+        name=name,
+        index=index,
+        step_offset=step_offset,
+        num_steps=phase.num_steps,
+        batch=_batch_geometry(phase, mesh, where, process_count),
+        model=model,
+        optimizer=optimizer,
+        schedule=SchedulePlan(
+            schedule=phase.schedule,
+            learning_rate=phase.learning_rate,
+            num_steps=phase.num_steps,
+            warmup_fraction=phase.warmup_fraction,
+            constant_fraction=phase.constant_fraction,
+            decay_power=phase.decay_power,
+        ),
+        optimizer_state=phase.optimizer_state,
+        mesh=mesh,
+        num_frozen_layers=phase.frozen_layers,
+        layer_drop=(
+            layer_drop.LayerDrop(drop.theta_bar, drop.gamma, step_offset=step_offset)
+            if drop.enabled and _layer_drop_valid(drop)
+            else None
+        ),
+        nsp_loss_weight=1.0 if config.data.next_sentence_prediction else 0.0,
+        standardization_loss_weight=config.standardization_loss.weight,
+        pipeline=(
+            PipelinePlan(**config.ouroboros.to_dict())
+            if isinstance(config.ouroboros.num_modules, int) and config.ouroboros.num_modules > 1
+            else None
+        ),
+        previous=previous,
+    )
+
+
+def _layer_drop_valid(drop) -> bool:
+    """Whether LayerDrop can hold these settings (layer_drop.check names the bad field)."""
+    return 0 < drop.theta_bar <= 1 and drop.gamma >= 0
+
+
+def _check_phase_fields(phase, where: str) -> None:
+    for field in ("max_seq_length", "max_predictions_per_seq", "global_batch_size", "num_steps"):
+        if phase[field] <= 0:
+            raise ConfigError(f"{where}.{field}={phase[field]} must be a positive integer")
+    if phase.max_predictions_per_seq > phase.max_seq_length:
+        raise ConfigError(
+            f"{where}.max_predictions_per_seq={phase.max_predictions_per_seq} exceeds "
+            f"max_seq_length={phase.max_seq_length}"
+        )
+    if phase.learning_rate <= 0:
+        raise ConfigError(f"{where}.learning_rate={phase.learning_rate} must be positive")
+    if phase.schedule not in SCHEDULES:
+        raise ConfigError(f"{where}.schedule={phase.schedule!r}; valid: {SCHEDULES}")
+    if not 0 <= phase.warmup_fraction + phase.constant_fraction <= 1:
+        raise ConfigError(
+            f"{where}: warmup_fraction + constant_fraction = "
+            f"{phase.warmup_fraction + phase.constant_fraction} must lie in [0, 1]"
+        )
+    if phase.optimizer_state not in OPTIMIZER_STATE_AT_PHASE_START:
+        raise ConfigError(
+            f"{where}.optimizer_state={phase.optimizer_state!r}; "
+            f"valid: {OPTIMIZER_STATE_AT_PHASE_START}"
+        )
+
+
+def _overrides(fields: ml_collections.ConfigDict) -> dict:
+    return {k: v for k, v in fields.to_dict().items() if v is not None}
+
+
+def _optimizer(config, name: str) -> OptimizerPlan:
+    """The top-level optimizer with the phase's overrides applied."""
+    merged = {**config.optimizer.to_dict(), **_overrides(config.phases[name].optimizer)}
+    if merged["name"] not in OPTIMIZERS:
+        raise ConfigError(
+            f"optimizer name {merged['name']!r} (config.phases.{name}); valid: {OPTIMIZERS}"
+        )
+    return OptimizerPlan(**merged)
+
+
+def _mesh(config, name: str, num_devices: int, where: str) -> dict[str, int]:
+    merged = {**config.mesh.to_dict(), **_overrides(config.phases[name].mesh)}
+    try:
+        return sharding.mesh_shape(merged, num_devices)
+    except ValueError as e:
+        raise ConfigError(f"{where}: {e}") from e
+
+
+def _model(config, name: str, vocab_size: int) -> bert.BertConfig:
+    """The model of the run, at the phase's depth if the phase sets one."""
+    overrides = dict(config.model.overrides.to_dict())
+    overrides.setdefault("vocab_size", vocab_size)
+    if config.phases[name].num_layers is not None:
+        overrides["num_layers"] = config.phases[name].num_layers
+    try:
+        return bert.BertConfig.preset(config.model.preset, **overrides)
+    except (TypeError, ValueError) as e:  # no such field, or values BertConfig rejects
+        raise ConfigError(f"config.model (phase {name!r}): {e}") from e
+
+
+def _batch_geometry(phase, mesh: dict, where: str, process_count: int) -> BatchGeometry:
+    data_parallel = mesh["data"] * mesh["fsdp"]
+    accum = grad_accum_steps(phase, data_parallel, where)
+    if phase.global_batch_size % accum:
+        raise ConfigError(
+            f"{where}.global_batch_size={phase.global_batch_size} is not divisible by "
+            f"grad_accum_steps={accum}"
+        )
+    micro_batch = phase.global_batch_size // accum
+    if micro_batch % data_parallel:
+        raise ConfigError(
+            f"{where}: the micro-batch global_batch_size/grad_accum_steps = "
+            f"{phase.global_batch_size}/{accum} = {micro_batch} does not divide over the "
+            f"{data_parallel} data-parallel devices (mesh data x fsdp); valid micro-batches are "
+            f"multiples of {data_parallel}"
+        )
+    if phase.global_batch_size % process_count:
+        raise ConfigError(
+            f"{where}.global_batch_size={phase.global_batch_size} does not divide over "
+            f"{process_count} processes"
+        )
+    return BatchGeometry(
+        global_batch_size=phase.global_batch_size,
+        grad_accum_steps=accum,
+        data_parallel=data_parallel,
+        process_count=process_count,
+        max_seq_length=phase.max_seq_length,
+        max_predictions_per_seq=phase.max_predictions_per_seq,
+    )
+
+
+def grad_accum_steps(phase, data_parallel: int, where: str = "config.phases.<phase>") -> int:
+    """The phase's micro-batches per step on `data_parallel` (mesh data x fsdp) devices.
+
+    `grad_accum_steps` where given; else global_batch_size / (micro_batch_per_device x
+    data_parallel), which must be a whole number >= 1; else 1.
+    """
+    if phase.grad_accum_steps is not None:
+        if phase.grad_accum_steps <= 0:
+            raise ConfigError(
+                f"{where}.grad_accum_steps={phase.grad_accum_steps} must be a positive integer"
+            )
+        return phase.grad_accum_steps
+    per_device = phase.micro_batch_per_device
+    if per_device is None:
+        return 1
+    if per_device <= 0:
+        raise ConfigError(f"{where}.micro_batch_per_device={per_device} must be a positive integer")
+    batch, micro_batch = phase.global_batch_size, per_device * data_parallel
+    if batch % micro_batch:
+        fits = [m for m in range(1, batch // data_parallel + 1) if batch % (m * data_parallel) == 0]
+        valid = (
+            f"valid micro_batch_per_device: {_few(fits)}"
+            if fits
+            else (f"no micro-batch fits: {batch} is not a multiple of {data_parallel}")
+        )
+        raise ConfigError(
+            f"{where}: global_batch_size={batch} is not a whole number of micro-batches of "
+            f"micro_batch_per_device={per_device} x {data_parallel} data-parallel devices = "
+            f"{micro_batch} rows; {valid}"
+        )
+    return batch // micro_batch
+
+
+def _few(values: list[int]) -> str:
+    return (
+        ", ".join(map(str, values))
+        if len(values) <= 8
+        else (", ".join(map(str, values[:4])) + ", ..., " + ", ".join(map(str, values[-2:])))
+    )
