@@ -7,21 +7,71 @@ parses the flags it loads the config file itself and checks every override's fie
 value, so that a missing file, a config argument the file rejects, a mistyped field or a
 value of the wrong type is reported as such (ml_collections would raise from inside flag
 parsing, with a traceback).
+
+`define_run_flags` and `start_run` are the start-up that the commands which train
+(`lambjax.main`, `lambjax.finetune`) share: the config, the workdir and the distributed
+flags; then quiet libraries, CPU memory settings and JAX's distributed runtime.
+
+Importing this module quiets TensorFlow's start-up logs (TensorFlow serves the metric
+writers and TFDS, no computation of lambjax; it is imported later, by those).
 """
 
 import difflib
 import importlib.util
+import logging as std_logging
 import os
 import sys
 from typing import NoReturn
 
 import ml_collections
-from absl import flags
+from absl import flags, logging
+from ml_collections import config_flags
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+# TensorFlow 2.21 logs a oneDNN notice at import whatever the level.
+os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "0")
 
 
 def fail(program: str, message: str) -> NoReturn:
     print(f"{program}: error: {message}", file=sys.stderr)
     sys.exit(2)
+
+
+def define_run_flags(config_help: str, workdir_help: str):
+    """--config, --workdir and the distributed flags (--coordinator_address,
+    --num_processes, --process_id) of a command that trains; (config, workdir) holders."""
+    config = config_flags.DEFINE_config_file("config", None, config_help)
+    workdir = flags.DEFINE_string("workdir", None, workdir_help)
+    flags.DEFINE_string(
+        "coordinator_address", None, "host:port of process 0, for multi-process runs."
+    )
+    flags.DEFINE_integer("num_processes", None, "Number of processes.")
+    flags.DEFINE_integer("process_id", None, "This process's index.")
+    flags.mark_flags_as_required(["config", "workdir"])
+    return config, workdir
+
+
+def start_run(argv: list[str]) -> None:
+    """What a command that trains does first: on a pod every host runs the same command, and
+    JAX's distributed runtime starts from the environment (TPU VM, SLURM) or from the flags.
+    JAX's backends must not start before this."""
+    from absl import app
+
+    from lambjax import distributed, host_memory
+
+    if len(argv) > 1:
+        raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+    logging.get_absl_logger().addFilter(quiet_libraries)
+    if distributed.platform() == "cpu":
+        # Before JAX starts its CPU client: XLA:CPU reallocates every temporary per step.
+        host_memory.retain_freed_memory()
+    values = flags.FLAGS
+    distributed.initialize(values.coordinator_address, values.num_processes, values.process_id)
+
+
+def quiet_libraries(record) -> bool:
+    """Keeps Orbax's per-save INFO chatter out of the training log (warnings stay)."""
+    return record.levelno >= std_logging.WARNING or "/orbax/" not in record.pathname
 
 
 def flags_parser(program: str, config_flag: str = "config"):

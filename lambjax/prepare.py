@@ -15,18 +15,13 @@ tree's setup.py unless `setup_file`, `requirements_file` or `sdk_container_image
 given). A bad option ends the command with one line and exit status 2.
 """
 
-import os
-import sys
-
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "0")  # TensorFlow 2.21's import notice
-
 import logging as std_logging
+import sys
 
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from lambjax import cli, storage  # storage: before any gs:// access
+from lambjax import cli, storage  # cli: quiets TensorFlow; storage: before any gs:// access
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Experiment config file.")
 _BEAM_OPTIONS = flags.DEFINE_string(
