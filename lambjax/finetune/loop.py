@@ -1,8 +1,8 @@
 """The fine-tuning run: build the task, start or resume, train, evaluate, write the results.
 
-`finetune(config, workdir)` compiles its steps once (`compile_steps`, the one place this
-package calls `jax.jit`), restores the run's latest checkpoint if there is one (else starts
-from `config.init`), trains to the last step with log / eval / checkpoint intervals, then
+`finetune(config, workdir)` compiles its steps once, restores the run's latest checkpoint
+if there is one (else starts from `config.init`), trains to the last step in the run loop it
+shares with pretraining (lambjax.train.loop: log / eval / checkpoint intervals), then
 scores the whole evaluation set and writes, on process 0:
 
   results.json            {"task": ..., "init": ..., "step": ..., "eval": {metric: value}}
@@ -24,16 +24,14 @@ import functools
 import json
 import os
 import time
-from typing import NamedTuple
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 from absl import logging
 from etils import epath
 
-from lambjax import distributed, sharding, storage
+from lambjax import distributed, optim, sharding, storage
 from lambjax.data import tokenization
 from lambjax.finetune import config as config_lib
 from lambjax.finetune import init as init_lib
@@ -42,17 +40,12 @@ from lambjax.finetune import tasks
 from lambjax.finetune.errors import FinetuneError
 from lambjax.models import bert, heads
 from lambjax.train import checkpointing
+from lambjax.train import loop as train_loop
 from lambjax.train import optimizer as optimizer_lib
 from lambjax.train import state as state_lib
 from lambjax.train.state import TrainState
 
 CHECKPOINT_NAME = "finetune"
-
-
-class Steps(NamedTuple):
-    init_optimizer: object  # params -> optimizer state
-    train: object  # (state, batch, rng) -> (state, metrics); the state is donated
-    eval: object  # (params, batch) -> head outputs, replicated
 
 
 @dataclasses.dataclass
@@ -100,26 +93,17 @@ class Run:
         return state_lib.with_shardings(abstract, self.state_shardings)
 
 
-def compile_steps(run: Run) -> Steps:
-    state = run.state_shardings
-    batch = sharding.batch_sharding(run.mesh)
-    replicated = sharding.replicated(run.mesh)
+def compile_steps(run: Run) -> train_loop.CompiledSteps:
+    """The run's functions, jitted with the shardings of its state and batches."""
     bound = dict(model_config=run.model_config, kind=run.task.kind, num_labels=run.task.num_labels)
-    return Steps(
-        init_optimizer=jax.jit(run.optimizer.init, out_shardings=state.opt_state),
-        train=jax.jit(
-            functools.partial(
-                step_lib.train_step, optimizer=run.optimizer, schedule=run.schedule, **bound
-            ),
-            in_shardings=(state, batch, replicated),
-            out_shardings=(state, replicated),
-            donate_argnums=(0,),
+    return train_loop.compile_steps(
+        run.mesh,
+        run.state_shardings,
+        train_step=functools.partial(
+            step_lib.train_step, optimizer=run.optimizer, schedule=run.schedule, **bound
         ),
-        eval=jax.jit(
-            functools.partial(step_lib.eval_step, **bound),
-            in_shardings=(state.params, batch),
-            out_shardings=replicated,
-        ),
+        eval_step=functools.partial(step_lib.eval_step, **bound),
+        init_optimizer=run.optimizer.init,
     )
 
 
@@ -203,13 +187,8 @@ def build_run(config, workdir: str) -> Run:
     num_steps = config.num_steps or max(
         1, int(num_train / config.global_batch_size * config.num_epochs)
     )
-    warmup = int(num_steps * config.warmup_fraction)
-    schedule = optax.join_schedules(
-        [
-            optax.linear_schedule(0.0, config.learning_rate, max(warmup, 1)),
-            optax.linear_schedule(config.learning_rate, 0.0, max(num_steps - warmup, 1)),
-        ],
-        [warmup],
+    schedule = optim.linear_warmup_decay_schedule(
+        config.learning_rate, num_steps, config.warmup_fraction
     )
     return Run(
         task=task,
@@ -234,11 +213,8 @@ def _to_global(run: Run, global_rows: dict) -> dict:
     size = len(next(iter(global_rows.values())))
     per_process = size // jax.process_count()
     lo = jax.process_index() * per_process
-    batch_sharding = sharding.batch_sharding(run.mesh)
-    return {
-        k: jax.make_array_from_process_local_data(batch_sharding, v[lo : lo + per_process])
-        for k, v in global_rows.items()
-    }
+    local = {k: v[lo : lo + per_process] for k, v in global_rows.items()}
+    return train_loop.to_global(local, sharding.batch_sharding(run.mesh))
 
 
 def train_batch(arrays: dict, step: int, batch_size: int, seed: int) -> dict:
@@ -251,8 +227,10 @@ def train_batch(arrays: dict, step: int, batch_size: int, seed: int) -> dict:
     return {k: v[rows] for k, v in arrays.items()}
 
 
-def evaluate(run: Run, steps: Steps, params, batch_size: int) -> tuple[dict, dict]:
-    """Every eval set fully scored: (metrics, {file name: text})."""
+def evaluate(
+    run: Run, steps: train_loop.CompiledSteps, params, batch_size: int
+) -> tuple[dict, dict]:
+    """Every eval set fully scored with the compiled `steps.eval`: (metrics, {file: text})."""
     metrics, files = {}, {}
     for eval_set in run.task.eval_sets:
         num = len(eval_set.arrays["input_ids"])
@@ -328,7 +306,8 @@ def finetune(config, workdir: str) -> dict:
     writer = metrics_lib.create_writer(workdir)
     stop = distributed.StopRequest()
     try:
-        state, step, stopped = _train(config, run, steps, state, step, writer, ckpt, meta, stop)
+        job = FinetuneJob(config, run, steps, writer, ckpt, meta, first_step=step)
+        state, step, stopped = train_loop.run(job, state, step, stop)
         if stopped:
             logging.info("Stopped at step %d; rerun the same command to continue.", step)
             return {}
@@ -351,46 +330,55 @@ def _scalars(metrics: dict) -> dict:
     return {k: float(v) for k, v in metrics.items() if isinstance(v, int | float)}
 
 
-def _train(config, run, steps, state, step, writer, ckpt, meta, stop):
-    """Trains from `step` to the run's last step; (state, step, whether stopped)."""
-    rng = jax.random.key(config.seed)
-    # Throughput over each log interval (the first one includes compilation).
-    pending, interval_start, interval_step = [], time.perf_counter(), step
-    while step < run.num_steps:
-        if stop.requested(step):
-            ckpt.save(step, state, {"step": step}, meta)
-            return state, step, True
-        rows = train_batch(run.task.train, step, config.global_batch_size, config.seed)
-        state, metrics = steps.train(state, _to_global(run, rows), rng)
-        step += 1
-        pending.append(metrics)
-        last = step == run.num_steps
-        if step % config.log_every_steps == 0 or last:
-            means = jax.device_get(jax.tree.map(lambda *xs: jnp.mean(jnp.stack(xs)), *pending))
-            pending = []
-            train = {k: float(v) for k, v in means.items()}
-            seconds_per_step = (time.perf_counter() - interval_start) / (step - interval_step)
-            interval_start, interval_step = time.perf_counter(), step
-            train["examples_per_s"] = config.global_batch_size / seconds_per_step
-            writer.write_scalars(step, {f"train/{k}": v for k, v in train.items()})
-            eta = seconds_per_step * (run.num_steps - step)
-            if jax.process_index() == 0:
-                logging.info(
-                    "%s step %d/%d | loss %.4f | lr %.2e | %.1f ex/s | ETA %s",
-                    run.task.name,
-                    step,
-                    run.num_steps,
-                    train["loss"],
-                    train["learning_rate"],
-                    train["examples_per_s"],
-                    _duration(eta),
-                )
-        if config.eval_every_steps and step % config.eval_every_steps == 0 and not last:
-            eval_metrics, _ = evaluate(run, steps, state.params, config.eval_batch_size)
-            writer.write_scalars(step, {f"eval/{k}": v for k, v in _scalars(eval_metrics).items()})
-        if step % config.checkpoint_every_steps == 0 or last:
-            ckpt.save(step, state, {"step": step}, meta)
-    return state, step, False
+class FinetuneJob:
+    """The run as a job of the shared run loop (lambjax.train.loop): batches drawn by step,
+    a log line with examples/s, the eval sets scored at the eval interval, checkpoints."""
+
+    def __init__(self, config, run: Run, steps, writer, ckpt, meta, first_step: int):
+        self.config, self.run, self.steps = config, run, steps
+        self.writer, self.ckpt, self.meta = writer, ckpt, meta
+        self.num_steps = run.num_steps
+        self.intervals = train_loop.Intervals(
+            log_every_steps=config.log_every_steps,
+            eval_every_steps=config.eval_every_steps,
+            checkpoint_every_steps=config.checkpoint_every_steps,
+            eval_after_last_step=False,  # `finetune` scores the final state in full
+        )
+        self.rng = jax.random.key(config.seed)
+        self.batch_args = (config.global_batch_size, config.seed)
+        self.interval_start, self.interval_step = time.perf_counter(), None
+
+    def batch(self, step: int) -> dict:
+        if self.interval_step is None:  # throughput over each log interval (the first
+            self.interval_start, self.interval_step = time.perf_counter(), step  # compiles)
+        rows = train_batch(
+            self.run.task.train, step, self.config.global_batch_size, self.config.seed
+        )
+        return _to_global(self.run, rows)
+
+    def log(self, step: int, state, means: dict) -> None:
+        seconds_per_step = (time.perf_counter() - self.interval_start) / (step - self.interval_step)
+        self.interval_start, self.interval_step = time.perf_counter(), step
+        train = dict(means, examples_per_s=self.config.global_batch_size / seconds_per_step)
+        self.writer.write_scalars(step, {f"train/{k}": v for k, v in train.items()})
+        if jax.process_index() == 0:
+            logging.info(
+                "%s step %d/%d | loss %.4f | lr %.2e | %.1f ex/s | ETA %s",
+                self.run.task.name,
+                step,
+                self.num_steps,
+                train["loss"],
+                train["learning_rate"],
+                train["examples_per_s"],
+                _duration(seconds_per_step * (self.num_steps - step)),
+            )
+
+    def evaluate(self, step: int, state) -> None:
+        eval_metrics, _ = evaluate(self.run, self.steps, state.params, self.config.eval_batch_size)
+        self.writer.write_scalars(step, {f"eval/{k}": v for k, v in _scalars(eval_metrics).items()})
+
+    def save(self, step: int, state) -> None:
+        self.ckpt.save(step, state, {"step": step}, self.meta)
 
 
 def _duration(seconds: float) -> str:

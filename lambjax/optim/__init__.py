@@ -19,7 +19,11 @@ tx = optax.inject_hyperparams(optim.lans, static_args=("weight_decay_mask", "sta
 from lambjax.optim.lamb import lamb
 from lambjax.optim.lans import lans
 from lambjax.optim.masks import bert_weight_decay_mask, stacked_layers_mask
-from lambjax.optim.schedules import poly_warmup_schedule, warmup_constant_decay_schedule
+from lambjax.optim.schedules import (
+    linear_warmup_decay_schedule,
+    poly_warmup_schedule,
+    warmup_constant_decay_schedule,
+)
 from lambjax.optim.transforms import (
     ScaleByLansState,
     TrustRatioState,
@@ -41,6 +45,7 @@ __all__ = [
     "lans",
     "last_trust_ratios",
     "normalize_per_tensor",
+    "linear_warmup_decay_schedule",
     "poly_warmup_schedule",
     "restart_step_count",
     "scale_by_adam",

@@ -82,3 +82,19 @@ def warmup_constant_decay_schedule(
         return jnp.where(step < 0, 0.0, lr)
 
     return schedule
+
+
+def linear_warmup_decay_schedule(
+    peak_value: float, total_steps: int, warmup_fraction: float
+) -> optax.Schedule:
+    """BERT's fine-tuning schedule: linear from 0 to `peak_value` over the first
+    int(total_steps * warmup_fraction) steps, then linear to 0 at `total_steps`."""
+    _check(peak_value, total_steps, warmup_fraction=warmup_fraction)
+    warmup = int(total_steps * warmup_fraction)
+    return optax.join_schedules(
+        [
+            optax.linear_schedule(0.0, peak_value, max(warmup, 1)),
+            optax.linear_schedule(peak_value, 0.0, max(total_steps - warmup, 1)),
+        ],
+        [warmup],
+    )

@@ -11,18 +11,15 @@ continues it.
 
 import dataclasses
 import time
-from collections.abc import Callable
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from absl import logging
 from clu import parameter_overview, periodic_actions
 
 from lambjax import data as data_lib
 from lambjax import distributed, sharding, storage
-from lambjax.train import checkpointing, phases
+from lambjax.train import checkpointing, loop, phases
 from lambjax.train import metrics as metrics_lib
 from lambjax.train import plan as plan_lib
 from lambjax.train import step as step_lib
@@ -35,13 +32,6 @@ class TrainingStopped(RuntimeError):
     """The run cannot go on (e.g. too many consecutive non-finite steps)."""
 
 
-class CompiledSteps(NamedTuple):
-    init_state: Callable  # rng -> TrainState
-    init_optimizer: Callable  # params -> optimizer state
-    train: Callable  # (state, batch, rng) -> (state, metrics); the state is donated
-    eval: Callable  # (params, batch) -> summed statistics
-
-
 @dataclasses.dataclass
 class PhaseResult:
     name: str
@@ -51,23 +41,15 @@ class PhaseResult:
     stopped: bool = False
 
 
-def compile_steps(phase: Phase) -> CompiledSteps:
+def compile_steps(phase: Phase) -> loop.CompiledSteps:
     """The phase's functions, jitted with the shardings of its state and batches."""
-    state = phase.state_shardings
-    batch = sharding.batch_sharding(phase.mesh)
-    replicated = sharding.replicated(phase.mesh)
-    return CompiledSteps(
-        init_state=jax.jit(phase.init_state, out_shardings=state),
-        init_optimizer=jax.jit(phase.init_optimizer, out_shardings=state.opt_state),
-        train=jax.jit(
-            phase.train_step(),
-            in_shardings=(state, batch, replicated),
-            out_shardings=(state, replicated),
-            donate_argnums=(0,),
-        ),
-        eval=jax.jit(
-            phase.eval_step(), in_shardings=(state.params, batch), out_shardings=replicated
-        ),
+    return loop.compile_steps(
+        phase.mesh,
+        phase.state_shardings,
+        train_step=phase.train_step(),
+        eval_step=phase.eval_step(),
+        init_optimizer=phase.init_optimizer,
+        init_state=phase.init_state,
     )
 
 
@@ -132,11 +114,19 @@ def run_phase(run: RunPlan, workdir: str, phase: Phase, writer, stop) -> PhaseRe
 
 
 class PhaseLoop:
-    """One phase's iterations, and what happens at the log, eval and checkpoint intervals."""
+    """One phase as a job of the shared run loop (lambjax.train.loop): its batches, its log
+    line and throughput, its held-out evaluation, its checkpoints."""
 
     def __init__(self, run: RunPlan, workdir, phase: Phase, writer, ckpt, steps, data_state):
         self.run_plan, self.workdir, self.phase = run, workdir, phase
         self.writer, self.ckpt, self.steps = writer, ckpt, steps
+        self.num_steps = phase.plan.num_steps
+        self.intervals = loop.Intervals(
+            log_every_steps=run.log_every_steps,
+            eval_every_steps=run.eval_every_steps,
+            checkpoint_every_steps=run.checkpoint_every_steps,
+            eval_after_last_step=True,
+        )
         self.batch_sharding = sharding.batch_sharding(phase.mesh)
         self.train_iter = phase.batches(
             "train", phase.plan.batch.global_batch_size, run.seed + phase.index
@@ -147,47 +137,23 @@ class PhaseLoop:
         self.meta = phase.checkpoint_meta(run.config_json)
         self.throughput = phases.throughput_meter(run, phase.plan)
         self.later_phases_flops = phases.later_phases_flops(run, phase.plan)
-        self.pending_metrics = []
         self.eval_metrics = {}
-
-    def to_global(self, local_batch: dict) -> dict:
-        """This process's rows of the global batch -> global arrays sharded over data x fsdp."""
-        return jax.tree.map(
-            lambda x: jax.make_array_from_process_local_data(self.batch_sharding, x), local_batch
-        )
 
     def run(self, state, step: int, stop) -> tuple[int, bool]:
         """(final step, whether a stop was requested)."""
-        run, num_steps = self.run_plan, self.phase.plan.num_steps
-        logging.info("Phase %s: training steps %d..%d", self.phase.name, step + 1, num_steps)
+        logging.info("Phase %s: training steps %d..%d", self.phase.name, step + 1, self.num_steps)
         hooks = []
-        if run.profile and jax.process_index() == 0:
+        if self.run_plan.profile and jax.process_index() == 0:
             logdir = metrics_lib.local_logdir(self.writer, self.workdir)
             hooks.append(periodic_actions.Profile(logdir=logdir, first_profile=step + 5))
-        while step < num_steps:
-            if stop.requested(step):
-                self.save(step, state)
-                return step, True
-            batch = self.to_global(next(self.train_iter))
-            state, metrics = self.steps.train(state, batch, self.rng)
-            step += 1
-            self.pending_metrics.append(metrics)
-            for hook in hooks:
-                hook(step)
-            is_last = step == num_steps
-            if step % run.log_every_steps == 0 or is_last:
-                self.log(step, state)
-            if step % run.eval_every_steps == 0 or is_last:
-                self.evaluate(step, state.params)
-            if step % run.checkpoint_every_steps == 0 or is_last:
-                self.save(step, state)
-        return step, False
+        _, step, stopped = loop.run(self, state, step, stop, hooks)
+        return step, stopped
 
-    def log(self, step: int, state) -> None:
-        """Means of the metrics since the last log (one device-to-host transfer)."""
-        stacked = jax.device_get(jax.tree.map(lambda *xs: jnp.stack(xs), *self.pending_metrics))
-        self.pending_metrics = []
-        train = {k: float(np.mean(v)) for k, v in stacked.items()}
+    def batch(self, step: int) -> dict:
+        return loop.to_global(next(self.train_iter), self.batch_sharding)
+
+    def log(self, step: int, state, means: dict) -> None:
+        train = dict(means)
         train.update(self.throughput.measure(step))
         train["phase"] = self.phase.index + 1
         self.writer.write_scalars(
@@ -200,14 +166,14 @@ class PhaseLoop:
     def progress_line(self, step: int, train: dict) -> str:
         eta_phase = eta_run = None
         if "step_time_s" in train:  # later phases at this phase's FLOP rate
-            eta_phase = (self.phase.plan.num_steps - step) * train["step_time_s"]
+            eta_phase = (self.num_steps - step) * train["step_time_s"]
             eta_run = eta_phase + self.later_phases_flops / train["flops_per_s"]
         return metrics_lib.progress_line(
-            self.phase.name, step, self.phase.plan.num_steps, train, eta_phase, eta_run
+            self.phase.name, step, self.num_steps, train, eta_phase, eta_run
         )
 
-    def evaluate(self, step: int, params) -> None:
-        metrics = self.evaluation(params)
+    def evaluate(self, step: int, state) -> None:
+        metrics = self.evaluation(state.params)
         if metrics:
             self.eval_metrics = metrics
             self.writer.write_scalars(
@@ -226,7 +192,7 @@ class PhaseLoop:
         for index, batch in enumerate(batches):
             if run.eval_steps and index >= run.eval_steps:
                 break
-            stats = self.steps.eval(params, self.to_global(batch))
+            stats = self.steps.eval(params, loop.to_global(batch, self.batch_sharding))
             totals = stats if totals is None else jax.tree.map(jnp.add, totals, stats)
         if totals is None:
             size = run.eval_batch_size
