@@ -305,11 +305,23 @@ def _direct_runner(options: beam_options.PipelineOptions):
     return fn_runner.FnApiRunner(provision_info=provision_info)
 
 
+def features():
+    """The examples' TFDS schema (masking is applied when reading)."""
+    import numpy as np
+    import tensorflow_datasets as tfds
+
+    return tfds.features.FeaturesDict(
+        {
+            "input_ids": tfds.features.Tensor(shape=(None,), dtype=np.int32),
+            "segment_ids": tfds.features.Tensor(shape=(None,), dtype=np.int32),
+            "next_sentence_label": tfds.features.Scalar(dtype=np.int32),
+        }
+    )
+
+
 def register(target: Target, records: list[dict]) -> dict[str, int]:
     """Writes the dataset's TFDS metadata (dataset_info.json last: the completion marker)."""
     import tensorflow_datasets as tfds
-
-    from lambjax.data.builder import FEATURES
 
     num_shards = len(records)
     template = tfds.core.ShardedFileTemplate(
@@ -341,7 +353,7 @@ def register(target: Target, records: list[dict]) -> dict[str, int]:
         )
     tfds.folder_dataset.write_metadata(
         data_dir=target.directory,
-        features=FEATURES,
+        features=features(),
         split_infos=split_infos,
         filename_template=template,
         check_data=False,

@@ -21,7 +21,6 @@ import json
 import math
 import os
 
-import numpy as np
 import tensorflow_datasets as tfds
 from absl import logging
 from etils import epath
@@ -33,14 +32,6 @@ from lambjax.data.sources import DataError
 tfds.disable_progress_bar()
 
 VERSION = "1.0.0"
-
-FEATURES = tfds.features.FeaturesDict(
-    {
-        "input_ids": tfds.features.Tensor(shape=(None,), dtype=np.int32),
-        "segment_ids": tfds.features.Tensor(shape=(None,), dtype=np.int32),
-        "next_sentence_label": tfds.features.Scalar(dtype=np.int32),
-    }
-)
 
 
 class NotPrepared(DataError):
