@@ -2,11 +2,10 @@
 
 `train_and_evaluate(config, workdir)` resolves the config into a run plan
 (lambjax.train.plan) and runs every phase that has not finished yet. For each phase it
-compiles the steps once (`compile_steps`, the one place lambjax calls `jax.jit`), takes its
-starting state by the restore order of lambjax.train.phases, then iterates: a train step,
-and at their intervals log, evaluate and save. A stop request (SIGTERM, or a pod's
-preemption notice) saves at the next step boundary and ends the run; the same command
-continues it.
+compiles the steps once, takes its starting state by the restore order of
+lambjax.train.phases, then runs the shared loop (lambjax.train.loop): a train step, and at
+their intervals log, evaluate and save. A stop request (SIGTERM, or a pod's preemption
+notice) saves at the next step boundary and ends the run; the same command continues it.
 """
 
 import dataclasses
