@@ -466,8 +466,8 @@ def _device_step(
 
     def run_layers(layers, h, mask, rng, first_index):
         # The model's layer loop, its dropout key per layer fold_in(rng, global index).
-        bias = bert._attention_bias(mask)
-        h, _ = bert._run_layers(
+        bias = bert.attention_bias(mask)
+        h, _ = bert.run_layers(
             config,
             layers,
             h,
