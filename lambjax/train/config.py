@@ -300,6 +300,7 @@ def validate_layer_schemes(config) -> None:
 def validate_ouroboros(config, num_devices: int) -> None:
     """Ouroboros' modules against the model's depth, the mesh and the other schemes."""
     from lambjax import sharding
+    from lambjax.models import pipeline
     from lambjax.train import ouroboros
 
     modules, replay = config.ouroboros.num_modules, config.ouroboros.replay
@@ -345,7 +346,7 @@ def validate_ouroboros(config, num_devices: int) -> None:
             )
         depth = model_config(config, vocab_size=1, phase_name=name).num_layers
         try:
-            ouroboros.check(modules, depth)
+            pipeline.check(modules, depth)
         except ValueError as e:
             raise ConfigError(f"config.ouroboros ({where}, {depth} layers): {e}") from None
 

@@ -24,7 +24,7 @@ from absl import logging
 
 from lambjax import data as data_lib
 from lambjax import optim, sharding
-from lambjax.models import bert
+from lambjax.models import bert, pipeline
 from lambjax.train import checkpointing, ouroboros, stacking, throughput
 from lambjax.train import config as config_lib
 from lambjax.train import optimizer as optimizer_lib
@@ -55,7 +55,7 @@ class Phase:
     layer_drop: LayerDrop | None  # progressive layer dropping, when enabled
     nsp_loss_weight: float  # 0 without next-sentence prediction
     standardization_loss_weight: float  # lambda of the standardization loss; 0 = off
-    ouroboros_split: ouroboros.Split | None = None  # Ouroboros' modules, when on
+    ouroboros_split: pipeline.Split | None = None  # Ouroboros' modules, when on
     ouroboros_replay: str = "stale"
     ouroboros_synchronous_steps: int = 0
 
@@ -111,8 +111,7 @@ class Phase:
     def train_step(self) -> Callable:
         """The pure train step as a function of (state, batch, rng), its settings bound."""
         if self.ouroboros_split is not None:
-            return functools.partial(
-                ouroboros.train_step,
+            settings = ouroboros.PipelineStep(
                 split=self.ouroboros_split,
                 replay=self.ouroboros_replay,
                 mesh=self.mesh,
@@ -123,6 +122,7 @@ class Phase:
                 nsp_loss_weight=self.nsp_loss_weight,
                 synchronous_steps=self.ouroboros_synchronous_steps,
             )
+            return functools.partial(ouroboros.train_step, settings=settings)
         return functools.partial(
             step_lib.train_step,
             model_config=self.model_config,
@@ -191,7 +191,7 @@ def build_phase(config, name: str, index: int, step_offset: int) -> Phase:
         nsp_loss_weight=1.0 if config.data.next_sentence_prediction else 0.0,
         standardization_loss_weight=config.standardization_loss.weight,
         ouroboros_split=(
-            ouroboros.Split(config.ouroboros.num_modules, model_config.num_layers)
+            pipeline.Split(config.ouroboros.num_modules, model_config.num_layers)
             if config.ouroboros.num_modules > 1
             else None
         ),
