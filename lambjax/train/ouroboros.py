@@ -26,7 +26,8 @@ D = K - 1 ring-buffer slots, batch t in slot t % D:
   hidden   [S, D, G, T, H]  each stage's module inputs of those batches (unused on stage 0)
   mailbox  [S, G, T, H]     the output gradient each stage pulls back at the next step
   weights  [D, ...]         replay='stale' only: the embeddings and layers of the last D steps
-With mesh data > 1 each data shard draws its own dropout masks (fold_in of its index).
+With mesh data > 1 each data shard draws its own dropout masks (fold_in of its index), so
+runs on different data-axis sizes agree only without dropout.
 """
 
 import dataclasses
