@@ -82,10 +82,10 @@ def measure_parts(preset: str, rows: int, seq: int) -> dict:
     rng = jax.random.key(1)
     layer = jax.tree.map(lambda x: x[:1], params["encoder"]["layers"])
     h = jnp.ones((rows, seq, config.hidden_size), jnp.float32)
-    bias = bert._attention_bias(jnp.asarray(batch["input_mask"]))
+    bias = bert.attention_bias(jnp.asarray(batch["input_mask"]))
 
     def one_layer(layer, h):
-        out, _ = bert._run_layers(
+        out, _ = bert.run_layers(
             config, layer, h, bias, rng=rng, keep=None, scale=None, first_index=0, token_mask=None
         )
         return out

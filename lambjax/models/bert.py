@@ -114,7 +114,18 @@ def _init(config: BertConfig):
     return nn.initializers.truncated_normal(config.initializer_range)
 
 
-def _dense(config, features, names, name, axis=-1, dot_general=matmul.dense_dot_general):
+def dense(config, features, names, name, axis=-1, dot_general=matmul.dense_dot_general):
+    """A Flax `DenseGeneral` in the model's dtypes and initialiser, its kernel's logical axes
+    `names` (input axes, then the output axes, which its bias takes).
+
+    Args:
+      config: the model's BertConfig (dtype, param_dtype, initializer_range).
+      features: the output size, or a tuple of output sizes (e.g. heads, head_dim).
+      names: the kernel's logical axis names, e.g. ("embed", "mlp").
+      name: the submodule's name (the parameter tree's key).
+      axis: the input axis or axes contracted.
+      dot_general: the matmul (lambjax.models.matmul), e.g. an emulated accumulation.
+    """
     return nn.DenseGeneral(
         features,
         axis=axis,
@@ -193,9 +204,9 @@ class Attention(nn.Module):
         c = self.config
         heads = (c.num_heads, c.head_dim)
         dot_general = matmul.encoder_dot_general(c.matmul_accumulation)
-        q = _dense(c, heads, ("embed", "heads", "kv"), "query", dot_general=dot_general)(x)
-        k = _dense(c, heads, ("embed", "heads", "kv"), "key", dot_general=dot_general)(x)
-        v = _dense(c, heads, ("embed", "heads", "kv"), "value", dot_general=dot_general)(x)
+        q = dense(c, heads, ("embed", "heads", "kv"), "query", dot_general=dot_general)(x)
+        k = dense(c, heads, ("embed", "heads", "kv"), "key", dot_general=dot_general)(x)
+        v = dense(c, heads, ("embed", "heads", "kv"), "value", dot_general=dot_general)(x)
         logits = matmul.attention_einsum(c.matmul_accumulation, "bqhd,bkhd->bhqk", q, k).astype(
             jnp.float32
         )
@@ -205,7 +216,7 @@ class Attention(nn.Module):
         out = matmul.attention_einsum(
             c.matmul_accumulation, "bhqk,bkhd->bqhd", weights.astype(v.dtype), v
         )
-        out = _dense(
+        out = dense(
             c,
             c.hidden_size,
             ("heads", "kv", "embed"),
@@ -223,11 +234,11 @@ class Mlp(nn.Module):
     def __call__(self, x, deterministic: bool):
         c = self.config
         dot_general = matmul.encoder_dot_general(c.matmul_accumulation)
-        x = _dense(
+        x = dense(
             c, c.intermediate_size, ("embed", "mlp"), "intermediate", dot_general=dot_general
         )(x)
         x = nn.gelu(x, approximate=False)
-        x = _dense(c, c.hidden_size, ("mlp", "embed"), "output", dot_general=dot_general)(x)
+        x = dense(c, c.hidden_size, ("mlp", "embed"), "output", dot_general=dot_general)(x)
         return nn.Dropout(c.hidden_dropout)(x, deterministic=deterministic)
 
 
@@ -262,11 +273,11 @@ class Heads(nn.Module):
     @nn.compact
     def __call__(self, h, masked_lm_positions, word_embeddings):
         c = self.config
-        pooled = jnp.tanh(_dense(c, c.hidden_size, ("embed", "mlp"), "pooler")(h[:, 0]))
-        nsp_logits = _dense(c, 2, ("embed", "classes"), "nsp")(pooled)
+        pooled = jnp.tanh(dense(c, c.hidden_size, ("embed", "mlp"), "pooler")(h[:, 0]))
+        nsp_logits = dense(c, 2, ("embed", "classes"), "nsp")(pooled)
         # Gather first: the MLM head runs on P masked positions, not all S tokens.
         x = jnp.take_along_axis(h, masked_lm_positions[..., None], axis=1)
-        x = _dense(c, c.hidden_size, ("embed", "mlp"), "mlm_transform")(x)
+        x = dense(c, c.hidden_size, ("embed", "mlp"), "mlm_transform")(x)
         x = nn.gelu(x, approximate=False)
         x = _layer_norm(c, "mlm_layer_norm")(x)
         bias = self.param(
@@ -347,14 +358,47 @@ def param_logical_axes(config: BertConfig) -> dict:
 # Forward
 
 
-def _attention_bias(input_mask):
+def attention_bias(input_mask):
+    """[B, 1, 1, S] float32 additive attention bias: 0 on tokens (`input_mask` > 0), -1e9 on
+    padding, so no query attends to a padded key."""
     return jnp.where(input_mask[:, None, None, :] > 0, 0.0, -1e9).astype(jnp.float32)
 
 
-def _run_layers(config, layers, h, attention_bias, *, rng, keep, scale, first_index, token_mask):
-    """Runs a stack of layers (scan or loop); layer i uses rng fold_in(rng, first_index+i).
-    Returns the hidden states and the layers' summed standardization losses (0 without a
-    token mask)."""
+def run_layers(
+    config: BertConfig,
+    layers: dict,
+    h,
+    attention_bias,
+    *,
+    rng=None,
+    keep=None,
+    scale=None,
+    first_index=0,
+    token_mask=None,
+):
+    """Runs a stack of encoder layers on hidden states `h` [B, S, H]: `lax.scan` over the
+    stacked tree, or a Python loop with `config.scan_layers=False`; `jax.checkpoint` per
+    layer with `config.remat`.
+
+    Args:
+      config: the model's BertConfig.
+      layers: the stacked parameters of the layers to run (every leaf's leading axis: the
+        layers), e.g. a slice of `params["encoder"]["layers"]`.
+      h: the hidden states entering the first of them.
+      attention_bias: `attention_bias(input_mask)`.
+      rng: the dropout key; layer i draws from fold_in(rng, first_index + i), so a slice of
+        the stack run on its own draws what it draws inside the whole. None: no dropout.
+      keep: optional [count] bools; a layer with False is skipped (`lax.cond`, its compute
+        never runs). None: every layer runs.
+      scale: optional [count] multipliers of each sub-layer's output (PLD's 1/p).
+      first_index: the global index of the first layer (may be traced).
+      token_mask: given (normalization 'none', in training), each AffineNorm sows its input's
+        standardization loss.
+
+    Returns:
+      (the hidden states after the last layer, the layers' summed standardization losses;
+      0 without a token mask).
+    """
     deterministic = rng is None
     count = jax.tree.leaves(layers)[0].shape[0]
     indices = first_index + jnp.arange(count)  # first_index may be traced
@@ -430,7 +474,7 @@ def encoder_outputs_and_standardization_loss(
         mutable=["losses"],
     )
     total = standardization.sown_total(variables)
-    bias = _attention_bias(input_mask)
+    bias = attention_bias(input_mask)
     layers = params["encoder"]["layers"]
     n = num_frozen_layers
     if not 0 <= n <= config.num_layers:
@@ -441,7 +485,7 @@ def encoder_outputs_and_standardization_loss(
 
     if n:
         frozen = jax.tree.map(lambda x: jax.lax.stop_gradient(x[:n]), layers)
-        h, loss = _run_layers(
+        h, loss = run_layers(
             config,
             frozen,
             jax.lax.stop_gradient(h),
@@ -455,7 +499,7 @@ def encoder_outputs_and_standardization_loss(
         h, total = jax.lax.stop_gradient(h), total + loss
     if n < config.num_layers:
         top = jax.tree.map(lambda x: x[n:], layers)
-        h, loss = _run_layers(
+        h, loss = run_layers(
             config,
             top,
             h,

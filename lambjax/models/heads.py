@@ -28,7 +28,7 @@ class SpanHead(nn.Module):
 
     @nn.compact
     def __call__(self, h, deterministic: bool = True):
-        logits = bert._dense(self.config, 2, ("embed", "classes"), "qa_outputs")(h)
+        logits = bert.dense(self.config, 2, ("embed", "classes"), "qa_outputs")(h)
         logits = logits.astype(jnp.float32)
         return logits[..., 0], logits[..., 1]  # [B, S] start, [B, S] end
 
@@ -40,9 +40,9 @@ class ClassifierHead(nn.Module):
     @nn.compact
     def __call__(self, h, deterministic: bool = True):
         c = self.config
-        pooled = jnp.tanh(bert._dense(c, c.hidden_size, ("embed", "mlp"), "pooler")(h[:, 0]))
+        pooled = jnp.tanh(bert.dense(c, c.hidden_size, ("embed", "mlp"), "pooler")(h[:, 0]))
         pooled = nn.Dropout(c.hidden_dropout)(pooled, deterministic=deterministic)
-        logits = bert._dense(c, self.num_labels, ("embed", "classes"), "classifier")(pooled)
+        logits = bert.dense(c, self.num_labels, ("embed", "classes"), "classifier")(pooled)
         return logits.astype(jnp.float32)  # [B, N]
 
 

@@ -1,100 +1,47 @@
-"""Ouroboros: model parallelism with delayed gradients, for BERT pretraining.
+"""Ouroboros' train step: delayed gradients through K modules on K - 1 stages.
 
-Yang, Huo, Wang, Huang, Carin, "Ouroboros: On Accelerating Training of Transformer-Based
-Language Models", NeurIPS 2019 (arXiv 1909.06695). The variant `ouroboros` of every recipe
-turns it on; `config.ouroboros` holds its fields.
+Module k (1 = bottom, K = top) is updated at step t with the gradient of the batch of step
+t - (K - k), taken at the weights of that step (`replay='stale'`), or at the current weights
+(`replay='current'`, Features Replay). The model's split and each stage's computations are in
+lambjax.models.pipeline; this module runs them on the mesh data x stage, keeps what flows from
+one step to the next and applies the update.
 
-The method
-----------
-Backpropagation through layers split across devices is *backward locked*: a device cannot
-start its backward pass before every device above it has finished theirs. Ouroboros cuts the
-model into K modules and lets every module run its backward pass at once, each on a gradient
-that is a few iterations old. Module k (1 = bottom, K = top) is updated at iteration t with
-the gradient of the batch of iteration t - (K - k), taken at the weights of that iteration:
+One step, per micro-batch, inside `shard_map` (every stage runs the same program, each branch
+under `lax.cond` on the stage index, the collectives outside the branches):
+  forward   stage 0 embeds the batch and runs module 1; stages 1..S-1 run theirs in turn, each
+            handing its output on with a `ppermute` between those two stages only; the last
+            hands it back to stage 0, which runs module K, the heads and the loss and
+            differentiates them (no delay).
+  backward  right after its own forward, stage s replays the module it holds on the batch of
+            d_s steps ago (d_0 = K - 1, d_s = K - 1 - s) from the input it stored then, under
+            that step's dropout keys, and pulls its mailbox's output gradient back through it.
+            One reverse `ppermute` moves every input gradient one stage down (stage 0's round
+            to stage S - 1): the next step's mailboxes.
+The gradients go through the recipe's optimizer unchanged; a module without a gradient yet
+(module k in a phase's first K - k pipelined steps) keeps its weights and moments.
 
-    w_k^(t+1) = w_k^t - lr_t * d f(w^(t-K+k); x^(t-K+k)) / d w_k          (delay K - k)
-
-This is the update of decoupled parallel backpropagation (DDG; Huo, Gu, Yang, Huang, ICML
-2018, arXiv 1804.10574), which Ouroboros carries over to Transformer language models: the
-authors' DDG code sets a module's delay to `num_splits - 1 - split_id`, the formula above.
-The top module has no delay and the bottom one the longest. What is new in Ouroboros is the
-placement. A language model's input embedding and its output projection are one tied matrix,
-used by the bottom and by the top module; Ouroboros puts the first and the last module on the
-same device, so the K modules take K - 1 devices in a ring (the snake that eats its tail), and
-the tied matrix lives in one place. Its gradient is the sum of its two uses: the output
-projection's, of batch t, and the input lookup's, of batch t - K + 1.
-
-In lambjax: BERT's L encoder layers are split over S = K - 1 stages, L / S layers each, along
-the mesh axis `stage` (mesh data x stage). Stage 0 holds module 1 (the embeddings and the
-first ceil(L/2S) layers) and module K (the last floor(L/2S) layers, the MLM and NSP heads and
-the tied word embedding); stage s >= 1 holds module s + 1. One iteration, per micro-batch:
-
-  forward (locked, one stage at a time): stage 0 embeds batch t and runs module 1; stages
-    1..S-1 run modules 2..K-1 in turn, each handing its output on with a `ppermute`; the last
-    hands it back to stage 0, which runs module K, the heads and the loss and differentiates
-    them: module K's gradient has no delay.
-  backward (overlapping the forward): right after its own forward, while the stages above
-    it run theirs, stage s replays the module it holds on the batch of d_s iterations ago
-    (d_0 = K - 1 for module 1, d_s = K - 1 - s otherwise): from the input it stored then,
-    with the weights of then (`replay='stale'`), under the same dropout masks (the keys are
-    derived from the step), and pulls the output gradient it received (its mailbox) back
-    through it with a vjp: exactly the delayed gradient above. One reverse `ppermute` then
-    moves every input gradient one stage down, and stage 0's module-K input gradient round
-    to stage S - 1: the next iteration's mailboxes.
-
-The gradients then go through the recipe's optimizer (LAMB, LANS, AdamW) unchanged, as in the
-paper's "Ouroboros + Adam": per-layer trust ratios are per-module quantities, and the global
-gradient-norm clip sees the gradients of the different batches that are applied together.
-
-What is carried between steps (`TrainState.pipeline`, checkpointed with the state, so a killed
-run resumes bitwise): D = K - 1 ring-buffer slots, batch t in slot t % D.
-
+Carried between steps in `TrainState.pipeline` (checkpointed, so a killed run resumes bitwise),
+D = K - 1 ring-buffer slots, batch t in slot t % D:
   tokens   [S, D, G, T]     each stage's copy of the token ids, segments and masks in flight
   hidden   [S, D, G, T, H]  each stage's module inputs of those batches (unused on stage 0)
   mailbox  [S, G, T, H]     the output gradient each stage pulls back at the next step
-  weights  [D, ...]         `replay='stale'` only: the embeddings and the encoder layers of
-                            the last D iterations (the weights a replay needs)
-
-With data parallelism (mesh data > 1) every data shard draws its own dropout masks (fold_in
-of its index), so runs on different data-axis sizes agree only without dropout. A run
-resumes with the num_modules it was checkpointed with (other buffer shapes are refused).
-
-A phase starts with empty buffers (the phase transition changes their shapes): module k gets
-its first gradient at the phase's step K - k, and until then neither its weights nor its
-optimizer moments move (the pipeline fill of the authors' code, where a module skips its
-first updates). The optimizer's step count is shared, so bias correction counts from the
-phase's first step for every module; under LAMB and LANS, whose trust ratio fixes each
-layer's update norm, that changes only the weight-decay share of the first updates.
-
-`replay='current'` replays with the current weights instead: Features Replay (Huo, Gu, Huang,
-NeurIPS 2018, arXiv 1807.04511), the same authors' memory-saving alternative, which needs no
-weight history but whose gradient is no longer the exact delayed gradient.
-
-Not from the paper (its method section could not be read here; the above follows DDG's
-published formula and code): how many layers go to the first and the last module, and the
-form of the paper's warm-up. `config.ouroboros.synchronous_steps` offers one reading of it,
-that many steps of ordinary backpropagation at the start of each phase before the pipeline
-fills (off by default); the recipes' learning-rate warm-up applies either way. The step is written
-for XLA's SPMD partitioner: every stage runs the same program, each branch under `lax.cond`
-on the stage index, and collectives only outside the branches. A forward hand-over is a
-`ppermute` between its two stages only, so a stage that is replaying does not hold it up.
-Per micro-batch the critical path is the longer of the forward climb plus module K's forward
-and backward, and a stage's forward end plus its replay (which recomputes its forward),
-against the sum of every module's forward and backward on one device; micro-batches run one
-after another. benchmarks/ouroboros.py adds measured times up along it and along GPipe's.
+  weights  [D, ...]         replay='stale' only: the embeddings and layers of the last D steps
+With mesh data > 1 each data shard draws its own dropout masks (fold_in of its index), so
+runs on different data-axis sizes agree only without dropout.
 """
 
 import dataclasses
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from lambjax.models import bert, pretraining
+from lambjax.models import bert
+from lambjax.models import pipeline as pipeline_lib
 from lambjax.train import step as step_lib
 from lambjax.train.state import TrainState
 
@@ -103,70 +50,42 @@ TOKEN_KEYS = ("input_ids", "segment_ids", "input_mask")
 
 
 @dataclasses.dataclass(frozen=True)
-class Split:
-    """K modules of an L-layer encoder on S = K - 1 stages of L / S layers each."""
+class PipelineStep:
+    """The settings of an Ouroboros step: everything but its (state, batch, rng)."""
 
-    num_modules: int  # K >= 2
-    num_layers: int  # L, a multiple of K - 1
+    split: pipeline_lib.Split
+    mesh: jax.sharding.Mesh  # data x stage, stage = split.stages
+    model_config: bert.BertConfig
+    optimizer: optax.GradientTransformation
+    schedule: optax.Schedule
+    grad_accum_steps: int
+    replay: str = "stale"  # one of REPLAYS
+    nsp_loss_weight: float = 1.0
+    # Steps of ordinary backpropagation at the start of a phase, before the pipeline fills.
+    synchronous_steps: int = 0
 
     def __post_init__(self):
-        k, n = self.num_modules, self.num_layers
-        if not isinstance(k, int) or k < 2:
-            raise ValueError(f"num_modules={k!r} must be an integer >= 2")
-        if n % (k - 1):
+        if self.replay not in REPLAYS:
+            raise ValueError(f"replay={self.replay!r}; valid: {REPLAYS}")
+        stages = self.mesh.shape.get("stage", 1)
+        if stages != self.split.stages:
             raise ValueError(
-                f"{k} modules take {k - 1} stages of equal depth, which {n} layers do not "
-                f"fill; valid num_modules: {_valid_modules(n)}"
+                f"{self.split.num_modules} modules run on a mesh with stage="
+                f"{self.split.stages}, but the mesh has stage={stages}"
             )
 
     @property
-    def stages(self) -> int:
-        return self.num_modules - 1
-
-    @property
-    def per_stage(self) -> int:
-        return self.num_layers // self.stages
-
-    @property
-    def first(self) -> int:
-        """Layers of module 1 (on stage 0, below module K's)."""
-        return (self.per_stage + 1) // 2
-
-    @property
-    def last(self) -> int:
-        """Layers of module K (on stage 0)."""
-        return self.per_stage - self.first
-
-    def module_of_layer(self, index: int) -> int:
-        if index < self.first:
-            return 1
-        if index >= self.num_layers - self.last:
-            return self.num_modules
-        return 2 + (index - self.first) // self.per_stage
-
-    def layer_delays(self) -> np.ndarray:
-        """[L]: K - k for each layer's module k."""
-        return np.array(
-            [self.num_modules - self.module_of_layer(i) for i in range(self.num_layers)],
-            np.int32,
-        )
-
-
-def _valid_modules(num_layers: int) -> list[int]:
-    return [1] + [s + 1 for s in range(1, num_layers + 1) if num_layers % s == 0]
-
-
-def check(num_modules: int, num_layers: int) -> None:
-    """Raises ValueError where K modules cannot split `num_layers` layers (K = 1: off)."""
-    if num_modules != 1:
-        Split(num_modules, num_layers)
+    def model(self) -> pipeline_lib.StageModel:
+        return pipeline_lib.StageModel(self.model_config, self.split, self.nsp_loss_weight)
 
 
 # ----------------------------------------------------------------------------------------
 # The state carried between steps
 
 
-def init_pipeline(split: Split, params, *, global_batch_size: int, seq_len: int, dtype, replay):
+def init_pipeline(
+    split: pipeline_lib.Split, params, *, global_batch_size: int, seq_len: int, dtype, replay
+):
     """Empty buffers (module k's first K - k steps have no gradient yet)."""
     stages = slots = split.stages
     hidden = params["embeddings"]["word"]["embedding"].shape[1]
@@ -204,89 +123,59 @@ def pipeline_shardings(abstract_pipeline, param_shardings, mesh):
 
 
 # ----------------------------------------------------------------------------------------
-# The step
+# The step and the update rule
 
 
 def train_step(
-    state: TrainState,
-    batch: dict,
-    rng: jax.Array,
-    *,
-    split: Split,
-    replay: str,
-    mesh: jax.sharding.Mesh,
-    model_config: bert.BertConfig,
-    optimizer: optax.GradientTransformation,
-    schedule: optax.Schedule,
-    grad_accum_steps: int,
-    nsp_loss_weight: float = 1.0,
-    synchronous_steps: int = 0,
+    state: TrainState, batch: dict, rng: jax.Array, *, settings: PipelineStep
 ) -> tuple[TrainState, dict]:
     """One Ouroboros iteration: the delayed gradients, then the update of every module that
-    has one. The counterpart of lambjax.train.step.train_step (same metrics).
+    has one. The counterpart of lambjax.train.step.train_step (the same metrics, and
+    `ouroboros_modules_updated`).
 
-    The first `synchronous_steps` steps of a phase are ordinary backpropagation (a warm-up;
-    the pipeline then fills from empty), the rest pipelined."""
-    settings = dict(
-        model_config=model_config,
-        optimizer=optimizer,
-        schedule=schedule,
-        grad_accum_steps=grad_accum_steps,
-        nsp_loss_weight=nsp_loss_weight,
-    )
-    pipelined = functools.partial(
-        _pipelined_step, split=split, replay=replay, mesh=mesh, **settings
-    )
-    if not synchronous_steps:
-        return pipelined(state, batch, rng, state.step)
-
-    def synchronous(state, batch, rng):
-        new_state, metrics = step_lib.train_step(state, batch, rng, **settings)
-        metrics["ouroboros_modules_updated"] = jnp.float32(split.num_modules)
-        return new_state, metrics
+    The first `settings.synchronous_steps` steps of a phase are ordinary backpropagation (a
+    warm-up; the pipeline then fills from empty), the rest pipelined."""
+    if not settings.synchronous_steps:
+        return _pipelined_step(state, batch, rng, state.step, settings)
 
     def delayed(state, batch, rng):  # its own dropout keys: not those of the warm-up steps
         pipeline_rng = jax.random.fold_in(rng, _PIPELINE_STREAM)
-        return pipelined(state, batch, pipeline_rng, state.step - synchronous_steps)
+        iteration = state.step - settings.synchronous_steps
+        return _pipelined_step(state, batch, pipeline_rng, iteration, settings)
 
-    return jax.lax.cond(state.step < synchronous_steps, synchronous, delayed, state, batch, rng)
+    synchronous = functools.partial(_synchronous_step, settings=settings)
+    warming_up = state.step < settings.synchronous_steps
+    return jax.lax.cond(warming_up, synchronous, delayed, state, batch, rng)
 
 
 # fold_in constant of the pipelined steps' keys after a synchronous warm-up.
 _PIPELINE_STREAM = 0x4F5552
 
 
-def _pipelined_step(
-    state,
-    batch,
-    rng,
-    iteration,
-    *,
-    split,
-    replay,
-    mesh,
-    model_config,
-    optimizer,
-    schedule,
-    grad_accum_steps,
-    nsp_loss_weight,
-):
-    """The pipelined step; `iteration` counts the steps since the pipeline started."""
-    grads, stats, pipeline = pipeline_gradients(
-        state.params,
-        state.pipeline,
+def _synchronous_step(state, batch, rng, *, settings: PipelineStep):
+    """A step of ordinary backpropagation (lambjax.train.step), every module updated."""
+    new_state, metrics = step_lib.train_step(
+        state,
         batch,
         rng,
-        iteration,
-        split=split,
-        replay=replay,
-        mesh=mesh,
-        model_config=model_config,
-        grad_accum_steps=grad_accum_steps,
-        nsp_loss_weight=nsp_loss_weight,
+        model_config=settings.model_config,
+        optimizer=settings.optimizer,
+        schedule=settings.schedule,
+        grad_accum_steps=settings.grad_accum_steps,
+        nsp_loss_weight=settings.nsp_loss_weight,
+    )
+    metrics["ouroboros_modules_updated"] = jnp.float32(settings.split.num_modules)
+    return new_state, metrics
+
+
+def _pipelined_step(state, batch, rng, iteration, settings: PipelineStep):
+    """The pipelined step; `iteration` counts the steps since the pipeline started."""
+    split, optimizer = settings.split, settings.optimizer
+    grads, stats, pipeline = pipeline_gradients(
+        state.params, state.pipeline, batch, rng, iteration, settings=settings
     )
     metrics = step_lib.metrics_from_stats(stats)
-    loss = metrics["mlm_loss"] + nsp_loss_weight * metrics["nsp_loss"]
+    loss = metrics["mlm_loss"] + settings.nsp_loss_weight * metrics["nsp_loss"]
     active = active_modules(split, iteration, state.params)
     updated, update_metrics = step_lib.apply_if_finite(state, grads, loss, optimizer, 0)
     params = jax.tree.map(_select, active, updated.params, state.params)
@@ -302,19 +191,15 @@ def _pipelined_step(
     update_metrics["update_norm"] = optax.global_norm(
         jax.tree.map(jnp.subtract, params, state.params)
     )
-    delays = jnp.arange(split.num_modules)  # module K - d has delay d
-    metrics.update(
-        loss=loss,
-        learning_rate=schedule(state.step),
-        param_norm=optax.global_norm(state.params),
-        ouroboros_modules_updated=jnp.sum(iteration >= delays).astype(jnp.float32),
-        **update_metrics,
+    metrics = step_lib.train_metrics(
+        metrics, loss, state, new_state, update_metrics, schedule=settings.schedule
     )
-    metrics.update(step_lib.trust_ratio_metrics(new_state.opt_state))
+    delays = jnp.arange(split.num_modules)  # module K - d has delay d
+    metrics["ouroboros_modules_updated"] = jnp.sum(iteration >= delays).astype(jnp.float32)
     return new_state, metrics
 
 
-def active_modules(split: Split, step: jax.Array, params):
+def active_modules(split: pipeline_lib.Split, step: jax.Array, params):
     """A tree like `params`: whether each leaf (each layer, for the stacked layers) has a
     gradient at `step`. Module k has one from step K - k on."""
     layers = step >= jnp.asarray(split.layer_delays())
@@ -346,31 +231,27 @@ def _select_optimizer_state(optimizer, active, new, old):
     return jax.tree.map(_select, flags, new, old)
 
 
-def pipeline_gradients(
-    params,
-    pipeline,
-    batch,
-    rng,
-    step,
-    *,
-    split: Split,
-    replay: str,
-    mesh,
-    model_config: bert.BertConfig,
-    grad_accum_steps: int,
-    nsp_loss_weight: float,
-):
+# ----------------------------------------------------------------------------------------
+# The delayed gradients: the stages on the mesh
+
+# Inside shard_map: a stage's parameters (its block of layers), the weight history, buffers.
+_STAGE_PARAMS = {"embeddings": P(), "layers": P("stage"), "heads": P(), "final": P()}
+_WEIGHT_HISTORY = {"embeddings": P(), "layers": P(None, "stage")}
+_BUFFERS = {
+    "tokens": P("stage", None, "data"),
+    "hidden": P("stage", None, "data"),
+    "mailbox": P("stage", "data"),
+}
+
+
+def pipeline_gradients(params, pipeline, batch, rng, step, *, settings: PipelineStep):
     """(Delayed gradients in the layout of `params`, the loss statistics of `batch`, the
     updated buffers). Zero gradients where a module has none yet."""
-    shift = split.last  # stage 0 holds module K's layers, then module 1's: roll them there
-
-    def roll(layers, by, axis=0):
-        return jax.tree.map(lambda x: jnp.roll(x, by, axis=axis), layers) if shift else layers
-
+    split = settings.split
     encoder = params["encoder"]
     local = {
         "embeddings": params["embeddings"],
-        "layers": roll(encoder["layers"], shift),
+        "layers": pipeline_lib.stage_order(split, encoder["layers"]),
         "heads": params["heads"],
         "final": encoder.get("final_layer_norm", {}),
     }
@@ -379,39 +260,17 @@ def pipeline_gradients(
     if "weights" in pipeline:
         weights = {
             "embeddings": pipeline["weights"]["embeddings"],
-            "layers": roll(pipeline["weights"]["layers"], shift, axis=1),
+            "layers": pipeline_lib.stage_order(split, pipeline["weights"]["layers"], axis=1),
         }
-    replicated, stage = P(), P("stage")
-    local_specs = {
-        "embeddings": replicated,
-        "layers": stage,
-        "heads": replicated,
-        "final": replicated,
-    }
-    buffer_specs = {
-        "tokens": P("stage", None, "data"),
-        "hidden": P("stage", None, "data"),
-        "mailbox": P("stage", "data"),
-    }
-    weight_specs = (
-        None if weights is None else {"embeddings": replicated, "layers": P(None, "stage")}
-    )
-    device_step = functools.partial(
-        _device_step,
-        split=split,
-        config=model_config,
-        grad_accum_steps=grad_accum_steps,
-        nsp_loss_weight=nsp_loss_weight,
-        data_shards=mesh.shape["data"],
-    )
+    weight_specs = None if weights is None else _WEIGHT_HISTORY
     grads, stats, buffers = jax.shard_map(
-        device_step,
-        mesh=mesh,
-        in_specs=(local_specs, weight_specs, buffer_specs, P("data"), replicated, replicated),
-        out_specs=(local_specs, replicated, buffer_specs),
+        functools.partial(_device_step, settings=settings),
+        mesh=settings.mesh,
+        in_specs=(_STAGE_PARAMS, weight_specs, _BUFFERS, P("data"), P(), P()),
+        out_specs=(_STAGE_PARAMS, P(), _BUFFERS),
         check_vma=False,
     )(local, weights, buffers, batch, rng, step)
-    encoder_grads = {"layers": roll(grads["layers"], -shift)}
+    encoder_grads = {"layers": pipeline_lib.model_order(split, grads["layers"])}
     if "final_layer_norm" in encoder:
         encoder_grads["final_layer_norm"] = grads["final"]
     grads = {"embeddings": grads["embeddings"], "encoder": encoder_grads, "heads": grads["heads"]}
@@ -420,256 +279,238 @@ def pipeline_gradients(
     return grads, stats, buffers
 
 
-def _device_step(
-    params,
-    weights,
-    buffers,
-    batch,
-    rng,
-    step,
-    *,
-    split,
-    config,
-    grad_accum_steps,
-    nsp_loss_weight,
-    data_shards,
-):
+class _Stage(NamedTuple):
+    """One stage's view of the step (inside shard_map)."""
+
+    model: pipeline_lib.StageModel
+    index: jax.Array  # on the mesh axis `stage`
+    params: dict  # embeddings, layers (this stage's block), heads, final
+    replay_embeddings: dict  # the weights of the replays: of then, or the current ones
+    replay_layers: dict
+    filled: jax.Array  # whether the batch this stage replays exists yet
+    totals: tuple  # (MLM weight, NSP count) of the global batch
+    rng: jax.Array  # this step's key
+    rng_then: jax.Array  # the key of the step this stage replays
+
+
+class _Then(NamedTuple):
+    """What a stage replays, of one micro-batch: its inputs of then, its output gradient."""
+
+    tokens: dict
+    hidden: jax.Array
+    mailbox: jax.Array
+    rng: jax.Array
+
+
+def _device_step(params, weights, buffers, batch, rng, step, *, settings: PipelineStep):
     """One stage's part of the iteration (inside shard_map: `batch` is this data shard's rows,
     `params["layers"]` this stage's L / S layers, the buffers this stage's)."""
-    stages, per_stage, first, last = split.stages, split.per_stage, split.first, split.last
-    num_layers = split.num_layers
-    stage = jax.lax.axis_index("stage")
+    stages = settings.split.stages
+    index = jax.lax.axis_index("stage")
     buffers = jax.tree.map(lambda x: x[0], buffers)  # drop the stage axis (size 1 here)
-    delay = jnp.where(stage == 0, stages, stages - stage)  # of the module this stage replays
+    delay = jnp.where(index == 0, stages, stages - index)  # of the module this stage replays
     old_slot, new_slot = (step - delay) % stages, step % stages
-    filled = step >= delay
-
-    def at(slot):
-        return lambda x: jax.lax.dynamic_index_in_dim(x, slot, keepdims=False)
-
-    # Losses are normalised by the global batch's counts, as in lambjax.train.step.
-    mlm_total = jnp.maximum(
-        jax.lax.psum(jnp.sum(batch["masked_lm_weights"].astype(jnp.float32)), "data"), 1e-9
-    )
-    nsp_total = jax.lax.psum(jnp.float32(batch["input_ids"].shape[0]), "data")
+    totals = _global_totals(batch)
     if weights is None:  # Features Replay: the current weights
         replay_embeddings, replay_layers = params["embeddings"], params["layers"]
     else:
-        replay_embeddings = jax.tree.map(at(old_slot), weights["embeddings"])
-        replay_layers = jax.tree.map(at(old_slot), weights["layers"])
-    old_tokens = jax.tree.map(at(old_slot), buffers["tokens"])
-    old_hidden = at(old_slot)(buffers["hidden"])
-    if data_shards > 1:  # each shard its own dropout masks (the same on one shard)
+        replay_embeddings = jax.tree.map(_at(old_slot), weights["embeddings"])
+        replay_layers = jax.tree.map(_at(old_slot), weights["layers"])
+    old_tokens = jax.tree.map(_at(old_slot), buffers["tokens"])
+    old_hidden = _at(old_slot)(buffers["hidden"])
+    if settings.mesh.shape["data"] > 1:  # each shard its own dropout masks
         rng = jax.random.fold_in(rng, jax.lax.axis_index("data"))
-    step_rng = jax.random.fold_in(rng, step)
-    old_rng = jax.random.fold_in(rng, jnp.maximum(step - delay, 0))
-
-    def run_layers(layers, h, mask, rng, first_index):
-        # The model's layer loop, its dropout key per layer fold_in(rng, global index).
-        bias = bert._attention_bias(mask)
-        h, _ = bert._run_layers(
-            config,
-            layers,
-            h,
-            bias,
-            rng=rng,
-            keep=None,
-            scale=None,
-            first_index=first_index,
-            token_mask=None,
-        )
-        return h
-
-    def module_1(embeddings, layers, tokens, rng):
-        # The model's key use: split(micro-batch key) -> (embeddings, layers).
-        embeddings_rng, layers_rng = jax.random.split(rng)
-        h = bert.Embeddings(config).apply(
-            {"params": embeddings},
-            tokens["input_ids"],
-            tokens["segment_ids"],
-            False,
-            rngs={"dropout": embeddings_rng},
-        )
-        return run_layers(layers, h, tokens["input_mask"], layers_rng, 0)
-
-    def module_k(layers, heads, final, word, h, microbatch, rng):
-        if last:
-            h = run_layers(
-                layers, h, microbatch["input_mask"], jax.random.split(rng)[1], num_layers - last
-            )
-        if config.layer_norm == "pre":
-            h = bert.FinalNorm(config).apply({"params": final}, h)
-        logits = bert.Heads(config).apply(
-            {"params": heads}, h, microbatch["masked_lm_positions"], word
-        )
-        stats = pretraining.stats_from_logits(*logits, microbatch)
-        loss = stats["mlm_loss_sum"] / mlm_total + nsp_loss_weight * (
-            stats["nsp_loss_sum"] / nsp_total
-        )
-        return loss, stats
-
-    def slots(tree, lo, hi):
-        return jax.tree.map(lambda x: x[lo:hi], tree)
-
-    def pad(tree, lo):  # a gradient of slots lo.. -> all of this stage's slots
-        return jax.tree.map(
-            lambda g: jnp.pad(g, [(lo, per_stage - lo - g.shape[0])] + [(0, 0)] * (g.ndim - 1)),
-            tree,
-        )
-
-    backward_ring = [(s, (s - 1) % stages) for s in range(stages)]
-    word = params["embeddings"]["word"]["embedding"]
-
-    def microbatch_step(carry, xs):
-        microbatch, tokens_then, hidden_then, mailbox, index = xs
-        rng = jax.random.fold_in(step_rng, index)
-        rng_then = jax.random.fold_in(old_rng, index)
-        tokens = {k: microbatch[k] for k in TOKEN_KEYS}
-        zeros = jnp.zeros(hidden_then.shape, hidden_then.dtype)
-
-        # The backward of a stage: replay the module held there on the batch of `delay`
-        # steps ago and pull its stored output gradient back through it.
-        def replay_first():
-            def f(embeddings, layers):
-                return module_1(embeddings, layers, tokens_then, rng_then)
-
-            layers = slots(replay_layers, last, per_stage)
-            _, vjp = jax.vjp(f, replay_embeddings, layers)
-            g_embeddings, g_layers = vjp(mailbox)
-            return g_embeddings, pad(g_layers, last), zeros
-
-        def replay_middle(first_index):
-            def f(layers, h):
-                return run_layers(
-                    layers,
-                    h,
-                    tokens_then["input_mask"],
-                    jax.random.split(rng_then)[1],
-                    first_index,
-                )
-
-            _, vjp = jax.vjp(f, replay_layers, hidden_then)
-            g_layers, delta = vjp(mailbox)
-            return jax.tree.map(jnp.zeros_like, replay_embeddings), g_layers, delta
-
-        replay_shapes = jax.eval_shape(replay_first)
-
-        def replay_on(j):
-            """Stage j's replay (zeros elsewhere). It runs in the tick after stage j's
-            forward, beside stage j + 1's forward (or module K's on stage 0), so the
-            backward of every stage overlaps the forward of the stages above it."""
-            if stages == 1:
-                return replay_first()
-            if j == 0:
-                replay = replay_first
-            else:
-                replay = functools.partial(replay_middle, first + (j - 1) * per_stage)
-            return jax.lax.cond(
-                stage == j,
-                replay,
-                lambda: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), replay_shapes),
-            )
-
-        # Forward, locked: stage 0, 1, ..., S - 1, and back to stage 0. Each hand-over
-        # involves only its two stages, so a replay elsewhere does not hold it up.
-        h = jax.lax.cond(
-            stage == 0,
-            lambda: module_1(
-                params["embeddings"], slots(params["layers"], last, per_stage), tokens, rng
-            ),
-            lambda: zeros,
-        )
-        stage_input = zeros
-        replays = []
-        for i in range(1, stages):
-            h = jax.lax.ppermute(h, "stage", [(i - 1, i)])
-            stage_input = jnp.where(stage == i, h, stage_input)
-            h = jax.lax.cond(
-                stage == i,
-                lambda h, i=i: run_layers(
-                    params["layers"],
-                    h,
-                    tokens["input_mask"],
-                    jax.random.split(rng)[1],
-                    first + (i - 1) * per_stage,
-                ),
-                lambda h: h,
-                h,
-            )
-            replays.append(replay_on(i - 1))
-        if stages > 1:
-            h = jax.lax.ppermute(h, "stage", [(stages - 1, 0)])
-
-        # Module K on stage 0: the loss and its gradient, no delay; meanwhile the last
-        # stage replays.
-        def top(h):
-            def f(layers, heads, final, word, h):
-                return module_k(layers, heads, final, word, h, microbatch, rng)
-
-            primals = (slots(params["layers"], 0, last), params["heads"], params["final"], word, h)
-            loss, vjp, stats = jax.vjp(f, *primals, has_aux=True)
-            return stats, vjp(jnp.ones_like(loss))
-
-        top_shapes = jax.eval_shape(top, h)
-        stats, (g_last, g_heads, g_final, g_word, delta_top) = jax.lax.cond(
-            stage == 0,
-            top,
-            lambda h: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), top_shapes),
-            h,
-        )
-        replays.append(replay_on(stages - 1))
-        replayed = jax.tree.map(lambda *parts: sum(parts[1:], parts[0]), *replays)
-        g_embeddings, g_layers, delta = jax.tree.map(
-            lambda g: jnp.where(filled, g, jnp.zeros_like(g)), replayed
-        )
-        g_embeddings["word"]["embedding"] = g_embeddings["word"]["embedding"] + g_word
-        grads = {
-            "embeddings": g_embeddings,
-            "layers": jax.tree.map(jnp.add, g_layers, pad(g_last, 0)),
-            "heads": g_heads,
-            "final": g_final,
-        }
-        send = jnp.where(stage == 0, delta_top, delta)
-        received = jax.lax.ppermute(send, "stage", backward_ring) if stages > 1 else send
-        carry = jax.tree.map(jnp.add, carry, (grads, stats))
-        return carry, (stage_input, received)
-
-    n = grad_accum_steps
-    split_rows = functools.partial(step_lib.split_microbatches, num_microbatches=n)
+    stage = _Stage(
+        model=settings.model,
+        index=index,
+        params=params,
+        replay_embeddings=replay_embeddings,
+        replay_layers=replay_layers,
+        filled=step >= delay,
+        totals=totals,
+        rng=jax.random.fold_in(rng, step),
+        rng_then=jax.random.fold_in(rng, jnp.maximum(step - delay, 0)),
+    )
+    split_rows = functools.partial(
+        step_lib.split_microbatches, num_microbatches=settings.grad_accum_steps
+    )
     xs = (
         split_rows(batch),
         split_rows(old_tokens),
         split_rows(old_hidden),
         split_rows(buffers["mailbox"]),
-        jnp.arange(n),
+        jnp.arange(settings.grad_accum_steps),
     )
-    zero_grads = {
-        "embeddings": params["embeddings"],
-        "layers": params["layers"],
-        "heads": params["heads"],
-        "final": params["final"],
-    }
     zero_stats = {k: jnp.zeros((), jnp.float32) for k in step_lib.STAT_KEYS}
-    init = jax.tree.map(jnp.zeros_like, (zero_grads, zero_stats))
+    init = jax.tree.map(jnp.zeros_like, (params, zero_stats))
+    microbatch_step = functools.partial(_microbatch_step, stage)
     (grads, stats), (stage_inputs, received) = jax.lax.scan(microbatch_step, init, xs)
+    grads, stats = _sum_over_mesh(grads, stats)
+    new_buffers = _next_buffers(buffers, batch, stage_inputs, received, new_slot)
+    return grads, stats, jax.tree.map(lambda x: x[None], new_buffers)
 
-    def merge_rows(x):  # the inverse of split_microbatches
-        return jnp.swapaxes(x, 0, 1).reshape(-1, *x.shape[2:])
 
+def _at(slot):
+    return lambda x: jax.lax.dynamic_index_in_dim(x, slot, keepdims=False)
+
+
+def _global_totals(batch):
+    """(MLM weight, NSP count) of the global batch: the losses' normalisers, as in
+    lambjax.train.step."""
+    mlm_total = jnp.maximum(
+        jax.lax.psum(jnp.sum(batch["masked_lm_weights"].astype(jnp.float32)), "data"), 1e-9
+    )
+    nsp_total = jax.lax.psum(jnp.float32(batch["input_ids"].shape[0]), "data")
+    return mlm_total, nsp_total
+
+
+def _microbatch_step(stage: _Stage, carry, xs):
+    """One micro-batch through the pipeline: the forward climb with the replays beside it,
+    module K's gradient, and the input gradients handed one stage down."""
+    microbatch, tokens_then, hidden_then, mailbox, index = xs
+    rng = jax.random.fold_in(stage.rng, index)
+    then = _Then(tokens_then, hidden_then, mailbox, jax.random.fold_in(stage.rng_then, index))
+    tokens = {k: microbatch[k] for k in TOKEN_KEYS}
+    h, stage_input, replays = _forward(stage, tokens, rng, then)
+    stats, top_grads = _top_on_stage_zero(stage, h, microbatch, rng)
+    replays.append(_replay_on(stage, stage.model.split.stages - 1, then))
+    grads, delta = _stage_gradients(stage, replays, top_grads)
+    send = jnp.where(stage.index == 0, top_grads[-1], delta)
+    stages = stage.model.split.stages
+    backward_ring = [(s, (s - 1) % stages) for s in range(stages)]
+    received = jax.lax.ppermute(send, "stage", backward_ring) if stages > 1 else send
+    carry = jax.tree.map(jnp.add, carry, (grads, stats))
+    return carry, (stage_input, received)
+
+
+def _forward(stage: _Stage, tokens, rng, then: _Then):
+    """Forward, locked: stage 0, 1, ..., S - 1, and back to stage 0. Each hand-over involves
+    only its two stages, so a replay elsewhere does not hold it up. Returns (the last stage's
+    output, on stage 0; this stage's input; the replays of stages 0..S-2, each run in the tick
+    after its own forward, beside the forward of the stage above it)."""
+    model, params = stage.model, stage.params
+    split = model.split
+    zeros = jnp.zeros(then.hidden.shape, then.hidden.dtype)
+    h = jax.lax.cond(
+        stage.index == 0,
+        lambda: pipeline_lib.first_module(
+            model,
+            params["embeddings"],
+            pipeline_lib.first_module_layers(split, params["layers"]),
+            tokens,
+            rng,
+        ),
+        lambda: zeros,
+    )
+    stage_input = zeros
+    replays = []
+    for i in range(1, split.stages):
+        h = jax.lax.ppermute(h, "stage", [(i - 1, i)])
+        stage_input = jnp.where(stage.index == i, h, stage_input)
+        h = jax.lax.cond(
+            stage.index == i,
+            lambda h, i=i: pipeline_lib.middle_module(
+                model, i, params["layers"], h, tokens["input_mask"], rng
+            ),
+            lambda h: h,
+            h,
+        )
+        replays.append(_replay_on(stage, i - 1, then))
+    if split.stages > 1:
+        h = jax.lax.ppermute(h, "stage", [(split.stages - 1, 0)])
+    return h, stage_input, replays
+
+
+def _top_on_stage_zero(stage: _Stage, h, microbatch, rng):
+    """Module K on stage 0 (zeros elsewhere): (its loss statistics, the gradients of its
+    layers, heads, final LayerNorm, word embedding as output projection and its input)."""
+
+    def top(h):
+        return pipeline_lib.top_gradients(
+            stage.model, stage.params, h, microbatch, rng, stage.totals
+        )
+
+    shapes = jax.eval_shape(top, h)
+    return jax.lax.cond(stage.index == 0, top, lambda h: _zeros(shapes), h)
+
+
+def _replay_on(stage: _Stage, j: int, then: _Then):
+    """Stage j's replay, zeros elsewhere: (the gradients of the embeddings, of this stage's
+    layers, of the module's input)."""
+    model = stage.model
+
+    def replay_first():
+        g_embeddings, g_layers = pipeline_lib.replay_first(
+            model, stage.replay_embeddings, stage.replay_layers, then.tokens, then.rng, then.mailbox
+        )
+        return g_embeddings, g_layers, jnp.zeros(then.hidden.shape, then.hidden.dtype)
+
+    def replay_middle():
+        g_layers, delta = pipeline_lib.replay_middle(
+            model,
+            j,
+            stage.replay_layers,
+            then.hidden,
+            then.tokens["input_mask"],
+            then.rng,
+            then.mailbox,
+        )
+        return jax.tree.map(jnp.zeros_like, stage.replay_embeddings), g_layers, delta
+
+    if model.split.stages == 1:
+        return replay_first()
+    shapes = jax.eval_shape(replay_first)
+    replay = replay_first if j == 0 else replay_middle
+    return jax.lax.cond(stage.index == j, replay, lambda: _zeros(shapes))
+
+
+def _zeros(shapes):
+    return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+
+
+def _stage_gradients(stage: _Stage, replays, top_grads):
+    """(This stage's gradients of one micro-batch, its replay's input gradient): the replay's
+    (zero before its batch exists) plus module K's on stage 0."""
+    g_last, g_heads, g_final, g_word, _ = top_grads
+    replayed = jax.tree.map(lambda *parts: sum(parts[1:], parts[0]), *replays)
+    g_embeddings, g_layers, delta = jax.tree.map(
+        lambda g: jnp.where(stage.filled, g, jnp.zeros_like(g)), replayed
+    )
+    g_embeddings["word"]["embedding"] = g_embeddings["word"]["embedding"] + g_word
+    g_top_layers = pipeline_lib.pad_block(stage.model.split, g_last, 0)
+    grads = {
+        "embeddings": g_embeddings,
+        "layers": jax.tree.map(jnp.add, g_layers, g_top_layers),
+        "heads": g_heads,
+        "final": g_final,
+    }
+    return grads, delta
+
+
+def _sum_over_mesh(grads, stats):
+    """Each stage's layer gradients summed over data; the rest over data and stage."""
     grads["layers"] = jax.lax.psum(grads["layers"], "data")
     for name in ("embeddings", "heads", "final"):
         grads[name] = jax.lax.psum(grads[name], ("data", "stage"))
-    stats = jax.lax.psum(stats, ("data", "stage"))
+    return grads, jax.lax.psum(stats, ("data", "stage"))
+
+
+def _merge_rows(x):
+    """The inverse of step.split_microbatches."""
+    return jnp.swapaxes(x, 0, 1).reshape(-1, *x.shape[2:])
+
+
+def _next_buffers(buffers, batch, stage_inputs, received, slot):
+    """This step's tokens and stage inputs written to `slot`; the new mailbox."""
 
     def write(buffer, value):
-        return jax.lax.dynamic_update_index_in_dim(buffer, value, new_slot, 0)
+        return jax.lax.dynamic_update_index_in_dim(buffer, value, slot, 0)
 
-    new_buffers = {
+    return {
         "tokens": {k: write(buffers["tokens"][k], batch[k]) for k in TOKEN_KEYS},
-        "hidden": write(buffers["hidden"], merge_rows(stage_inputs)),
-        "mailbox": merge_rows(received),
+        "hidden": write(buffers["hidden"], _merge_rows(stage_inputs)),
+        "mailbox": _merge_rows(received),
     }
-    return grads, stats, jax.tree.map(lambda x: x[None], new_buffers)
 
 
 def check_plan(settings, phases) -> None:
@@ -717,6 +558,6 @@ def check_plan(settings, phases) -> None:
             )
         depth = phase.model.num_layers
         try:
-            check(modules, depth)
+            pipeline_lib.check(modules, depth)
         except ValueError as e:
             raise ValueError(f"config.ouroboros ({where}, {depth} layers): {e}") from None

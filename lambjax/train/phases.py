@@ -24,7 +24,7 @@ from absl import logging
 
 from lambjax import data as data_lib
 from lambjax import optim, sharding
-from lambjax.models import bert
+from lambjax.models import bert, pipeline
 from lambjax.train import checkpointing, ouroboros, stacking, throughput
 from lambjax.train import optimizer as optimizer_lib
 from lambjax.train import state as state_lib
@@ -64,11 +64,11 @@ class Phase:
         return self.plan.num_frozen_layers
 
     @functools.cached_property
-    def pipeline_split(self) -> ouroboros.Split | None:
+    def pipeline_split(self) -> pipeline.Split | None:
         """Ouroboros' modules, when it is on."""
         if self.plan.pipeline is None:
             return None
-        return ouroboros.Split(self.plan.pipeline.num_modules, self.plan.model.num_layers)
+        return pipeline.Split(self.plan.pipeline.num_modules, self.plan.model.num_layers)
 
     def init_state(self, rng: jax.Array) -> TrainState:
         params = bert.init_params(self.model_config, rng)
@@ -123,8 +123,7 @@ class Phase:
         """The pure train step as a function of (state, batch, rng), its settings bound."""
         plan = self.plan
         if self.pipeline_split is not None:
-            return functools.partial(
-                ouroboros.train_step,
+            settings = ouroboros.PipelineStep(
                 split=self.pipeline_split,
                 replay=plan.pipeline.replay,
                 mesh=self.mesh,
@@ -135,6 +134,7 @@ class Phase:
                 nsp_loss_weight=plan.nsp_loss_weight,
                 synchronous_steps=plan.pipeline.synchronous_steps,
             )
+            return functools.partial(ouroboros.train_step, settings=settings)
         return functools.partial(
             step_lib.train_step,
             model_config=plan.model,

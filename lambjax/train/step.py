@@ -193,17 +193,33 @@ def train_step(
     new_state, update_metrics = apply_if_finite(
         state, grads, objective, optimizer, num_frozen_layers
     )
-    metrics.update(
-        loss=loss,
-        learning_rate=schedule(state.step),
-        param_norm=optax.global_norm(state.params),
-        **update_metrics,
-    )
+    metrics = train_metrics(metrics, loss, state, new_state, update_metrics, schedule=schedule)
     if layer_drop is not None:
         metrics["pld_theta"] = layer_drop.theta(state.step)
         metrics["pld_layers_run"] = stats["layers_run_sum"] / grad_accum_steps
-    metrics.update(trust_ratio_metrics(new_state.opt_state))
     return new_state, metrics
+
+
+def train_metrics(
+    metrics: dict,
+    loss: jax.Array,
+    state: TrainState,
+    new_state: TrainState,
+    update_metrics: dict,
+    *,
+    schedule: optax.Schedule,
+) -> dict:
+    """`metrics` (from `metrics_from_stats`) and what every train step logs beside them: the
+    loss, the learning rate and parameter norm of `state` (before the update), the update's
+    metrics (`apply_if_finite`) and the trust ratios of the update to `new_state`."""
+    return {
+        **metrics,
+        "loss": loss,
+        "learning_rate": schedule(state.step),
+        "param_norm": optax.global_norm(state.params),
+        **update_metrics,
+        **trust_ratio_metrics(new_state.opt_state),
+    }
 
 
 def trust_ratio_metrics(opt_state) -> dict:

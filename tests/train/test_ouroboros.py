@@ -17,7 +17,7 @@ import optax
 import pytest
 
 from lambjax import sharding
-from lambjax.models import bert, pretraining
+from lambjax.models import bert, pipeline, pretraining
 from lambjax.train import ouroboros
 from lambjax.train import state as state_lib
 from lambjax.train import step as step_lib
@@ -79,14 +79,16 @@ def pipelined(split, optimizer, *, data=1, replay="stale", config=CONFIG, **sett
     step = jax.jit(
         functools.partial(
             ouroboros.train_step,
-            split=split,
-            replay=replay,
-            mesh=mesh,
-            model_config=config,
-            optimizer=optimizer,
-            schedule=optax.constant_schedule(0.0),
-            grad_accum_steps=MICROBATCHES,
-            **settings,
+            settings=ouroboros.PipelineStep(
+                split=split,
+                replay=replay,
+                mesh=mesh,
+                model_config=config,
+                optimizer=optimizer,
+                schedule=optax.constant_schedule(0.0),
+                grad_accum_steps=MICROBATCHES,
+                **settings,
+            ),
         ),
         in_shardings=(shardings, sharding.batch_sharding(mesh), replicated),
         out_shardings=(shardings, replicated),
@@ -165,16 +167,16 @@ def max_difference(a, b) -> float:
 
 
 def test_the_split_places_the_first_and_last_module_on_stage_zero():
-    split = ouroboros.Split(4, 12)  # BERT-base, the paper's 4 modules on 3 devices
+    split = pipeline.Split(4, 12)  # BERT-base, the paper's 4 modules on 3 devices
     assert (split.stages, split.per_stage, split.first, split.last) == (3, 4, 2, 2)
     modules = [split.module_of_layer(i) for i in range(12)]
     assert modules == [1, 1, 2, 2, 2, 2, 3, 3, 3, 3, 4, 4]
     assert list(split.layer_delays()) == [3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0]
-    assert [ouroboros.Split(3, 2).module_of_layer(i) for i in range(2)] == [1, 2]
+    assert [pipeline.Split(3, 2).module_of_layer(i) for i in range(2)] == [1, 2]
     with pytest.raises(
         ValueError, match=r"12 layers do not fill; valid num_modules: \[1, 2, 3, 4, 5, 7, 13\]"
     ):
-        ouroboros.Split(6, 12)
+        pipeline.Split(6, 12)
 
 
 @pytest.mark.parametrize("modules", [3, 5])  # stage 0 has a module-K layer, or none
@@ -183,7 +185,7 @@ def test_sgd_follows_the_delayed_update_rule(modules):
     embedding's two
     gradients from batches t and t - K + 1; replays with the weights of their step) gives
     the rule's weights after every step."""
-    split = ouroboros.Split(modules, CONFIG.num_layers)
+    split = pipeline.Split(modules, CONFIG.num_layers)
     rate = 0.1
     optimizer = optax.sgd(rate)
     step, state = pipelined(split, optimizer)
@@ -201,7 +203,7 @@ def test_sgd_follows_the_delayed_update_rule(modules):
 def test_a_synchronous_warm_up_then_the_pipeline_fills():
     """synchronous_steps=2: steps 0 and 1 update every module (backpropagation), then the
     pipeline starts empty and module k waits K - k steps again."""
-    split = ouroboros.Split(2, CONFIG.num_layers)  # layers 0, 1: delay 1; 2, 3: none
+    split = pipeline.Split(2, CONFIG.num_layers)  # layers 0, 1: delay 1; 2, 3: none
     step, state = pipelined(split, optax.sgd(0.1), synchronous_steps=2)
     bottom = lambda s: np.asarray(s.params["encoder"]["layers"]["mlp"]["output"]["kernel"][0])  # noqa: E731
     for t, batch in enumerate(batches(4)):
@@ -214,7 +216,7 @@ def test_a_synchronous_warm_up_then_the_pipeline_fills():
 def test_replaying_with_current_weights_is_features_replay():
     """replay='current' differs from the exact delayed gradient once weights have moved,
     and keeps no weight history."""
-    split = ouroboros.Split(2, CONFIG.num_layers)
+    split = pipeline.Split(2, CONFIG.num_layers)
     optimizer = optax.sgd(0.1)
     runs = {}
     for replay in ("stale", "current"):
@@ -236,7 +238,7 @@ def test_lamb_fill_and_data_parallel_stages():
     from lambjax.train import optimizer as optimizer_lib
 
     config = dataclasses.replace(CONFIG, hidden_dropout=0.0, attention_dropout=0.0)
-    split = ouroboros.Split(3, CONFIG.num_layers)  # layers 0 | 1, 2 | 3: delays 2, 1, 1, 0
+    split = pipeline.Split(3, CONFIG.num_layers)  # layers 0 | 1, 2 | 3: delays 2, 1, 1, 0
     recipe = config_lib.optimizer_config("lamb")
     optimizer = optimizer_lib.make_optimizer(recipe, optax.constant_schedule(1e-2))
     kernel_shape = (CONFIG.num_layers, CONFIG.hidden_size, CONFIG.intermediate_size)
