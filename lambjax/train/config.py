@@ -162,6 +162,10 @@ def base_config() -> ml_collections.ConfigDict:
     # Validation batches per evaluation; 0 = the whole held-out split.
     config.eval_steps = 0
     config.checkpoint_every_steps = 100
+    # Also save once this many minutes of wall time have passed since the last save (checked
+    # at log steps, decided by process 0 for all): a preemption without notice then loses at
+    # most about this much work. 0 = by steps only.
+    config.checkpoint_every_minutes = 30.0
     config.max_checkpoints_to_keep = 3
     config.async_checkpointing = True
     # Stop when this many consecutive steps had a non-finite loss or gradient.
@@ -234,6 +238,11 @@ def validate(config, *, num_devices: int, process_count: int = 1) -> None:
     for field in ("log_every_steps", "eval_every_steps", "checkpoint_every_steps"):
         if config[field] <= 0:
             raise ConfigError(f"config.{field}={config[field]} must be a positive integer")
+    if not config.checkpoint_every_minutes >= 0:
+        raise ConfigError(
+            f"config.checkpoint_every_minutes={config.checkpoint_every_minutes} must be >= 0 "
+            "(0: checkpoints by steps only)"
+        )
     if config.eval_batch_size <= 0 or config.eval_batch_size % process_count:
         raise ConfigError(
             f"config.eval_batch_size={config.eval_batch_size} must be positive and divisible "

@@ -139,6 +139,9 @@ class PhaseLoop:
         self.rng = jax.random.fold_in(jax.random.key(config.seed), phase.index)
         self.meta = phase.checkpoint_meta(config)
         self.throughput = phases.throughput_meter(config, phase)
+        self.save_clock = checkpointing.SaveClock(
+            config.checkpoint_every_minutes, config.log_every_steps
+        )
         self.later_phases_flops = phases.later_phases_flops(config, phase)
         self.pending_metrics = []
         self.eval_metrics = {}
@@ -172,7 +175,8 @@ class PhaseLoop:
                 self.log(step, state)
             if step % config.eval_every_steps == 0 or is_last:
                 self.evaluate(step, state.params)
-            if step % config.checkpoint_every_steps == 0 or is_last:
+            by_steps = step % config.checkpoint_every_steps == 0 or is_last
+            if by_steps or self.save_clock.due(step):
                 self.save(step, state)
         return step, False
 
@@ -233,6 +237,7 @@ class PhaseLoop:
         if not self.ckpt.steps():  # the phase's first checkpoint: the config it runs
             workdir_lib.save_config(self.config, self.workdir)
         self.ckpt.save(step, state, self.train_iter.get_state(), self.meta)
+        self.save_clock.saved()
 
 
 def check_nonfinite(state, step: int, limit: int) -> None:
