@@ -5,10 +5,10 @@ writes them, read by column name, or `tfds:glue/TASK:SPLIT` from a prepared TFDS
 What those files hold, as TFDS's glue builder (tensorflow_datasets/text/glue.py) reads them
 too: CoLA's train and dev files have no header row; MRPC's header keeps the UTF-8 byte order
 mark of the Microsoft corpus file it is copied from; fields are never quoted (a `"` is
-text); a line ends at `\n` alone (a `\r` before it is dropped); and a row whose field count
-differs from the header's (a text broken over two lines) is skipped, as TFDS skips rows
-with missing fields, with a warning, unless more than 1 row in 1000 is, which means the
-file is not the task's.
+text); a line ends at `\n` alone (a `\r` before it is dropped); a row with fewer fields
+than the header (a text broken over two lines) is skipped with a warning, as TFDS skips rows
+with missing fields, unless more than 1 row in 1000 is, which means the file is not the
+task's; a row with more fields is read by the header's positions, as TFDS reads it.
 
 A sentence pair is `[CLS] a [SEP] b [SEP]`, the longer of the two cut a token at a time
 until the pair fits (run_classifier.py's _truncate_seq_pair). STS-B is regression (one
@@ -38,7 +38,7 @@ class Task:
         return 1 if self.labels is None else len(self.labels)
 
 
-# The most malformed rows (field count unlike the header's) a file may have: 1 in 1000.
+# The most rows with missing fields that a file may have: 1 in 1000.
 MALFORMED_ROWS_PER_1000 = 1
 
 _BINARY = ("0", "1")
@@ -129,7 +129,7 @@ def _read_tsv(task: Task, path: str) -> Examples:
     texts, labels, malformed = [], [], []
     for number, row in rows:
         where = f"{task.name} file {path!r} line {number}"
-        if len(row) != width:
+        if len(row) < width:
             malformed.append((number, len(row)))
             continue
         texts.append(tuple(row[c] for c in columns[:-1]))
@@ -146,8 +146,8 @@ def _check_malformed(task: Task, path: str, malformed: list, num_rows: int, widt
         return
     shown = ", ".join(f"line {n} ({k} fields)" for n, k in malformed[:3])
     summary = (
-        f"{task.name} file {path!r}: {len(malformed)} of {num_rows} rows have another number "
-        f"of tab-separated fields than {width}: {shown}"
+        f"{task.name} file {path!r}: {len(malformed)} of {num_rows} rows have fewer "
+        f"tab-separated fields than {width}: {shown}"
     )
     if len(malformed) * 1000 > num_rows * MALFORMED_ROWS_PER_1000:
         raise FinetuneError(f"{summary}; is this GLUE's {task.name.upper()} TSV?")

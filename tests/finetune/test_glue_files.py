@@ -102,6 +102,12 @@ def test_mnli_train_and_both_dev_sets(tmp_path):
     examples = read("mnli", train)
     assert examples.texts == [('He said "no" twice.', "He said no.")]
     assert examples.labels.tolist() == [2]
+    # A row with a field more than the header is read by the header's positions (as TFDS).
+    extra = write(tmp_path, "extra.tsv", [
+        HEADERS["mnli_train"],
+        f"0\t1\t1n\tfiction\t{PARSES}\tA man.\tA person.\tentailment\tentailment\t",
+    ])  # fmt: skip
+    assert read("mnli", extra).texts == [("A man.", "A person.")]
     for name in ("dev_matched.tsv", "dev_mismatched.tsv"):
         votes = "entailment\tentailment\tneutral\tentailment\tentailment"
         dev = write(tmp_path, name, [
@@ -125,13 +131,13 @@ def test_qqp_rows_broken_over_two_lines_are_skipped(tmp_path, caplog):
     assert len(examples.texts) == 2000
     assert examples.texts[3] == ("Why is q3?", "Is q3\u2028so?\x85")
     assert examples.labels.tolist()[:4] == [0, 1, 0, 1]
-    assert "2 of 2002 rows have another number of tab-separated fields than 6" in caplog.text
+    assert "2 of 2002 rows have fewer tab-separated fields than 6" in caplog.text
     assert "line 1002 (4 fields), line 1003 (3 fields)" in caplog.text
 
 
 def test_a_file_of_another_layout_is_refused_not_skipped(tmp_path):
-    rows = [HEADERS["qqp"], *[f"{i}\t1\t2\tq\tr\t0\textra" for i in range(10)]]
+    rows = [HEADERS["qqp"], *[f"{i}\t1\t2\tq\t0" for i in range(10)]]
     with pytest.raises(FinetuneError, match=re.escape(
-        "10 of 10 rows have another number of tab-separated fields than 6: line 2 (7 fields)"
+        "10 of 10 rows have fewer tab-separated fields than 6: line 2 (5 fields)"
     )):  # fmt: skip
         read("qqp", write(tmp_path, "train.tsv", rows))
