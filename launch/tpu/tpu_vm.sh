@@ -99,6 +99,11 @@ settings() {
   RUN="${RUN:-$TPU_NAME}"
   LOGS_DIR="${LOGS_DIR:-tpu-logs/$RUN}"
   WHERE=(--project="$PROJECT" --zone="$ZONE")
+  local name
+  for name in POLL_SECONDS RETRY_MAX_SECONDS; do
+    [[ "${!name}" =~ ^[0-9]+(\.[0-9]+)?$ ]] && [ "${!name}" != 0 ] ||
+      EXIT=2 die "$name=${!name} must be a positive number of seconds"
+  done
 }
 
 log() { echo "[tpu_vm $(date -u +%H:%M:%S)] $*"; }

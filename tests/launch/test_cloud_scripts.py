@@ -210,6 +210,14 @@ def test_a_setting_flag_that_is_not_a_setting_ends_before_anything_runs(cloud):
     assert "lambjax.main flags after --" in result.stderr
 
 
+def test_waits_must_be_seconds(cloud):
+    result = tpu_vm(cloud, "run", "--retry-max-seconds=ten", check=False)
+    assert result.returncode == 2 and cluster_fakes.calls(cloud) == []
+    assert result.stderr.strip() == (
+        "tpu_vm.sh: RETRY_MAX_SECONDS=ten must be a positive number of seconds"
+    )
+
+
 def test_stop_returns_once_every_worker_has_saved_and_exited(installed):
     env = installed
     tpu_vm(env, "train", "--", "--config.phases.phase1.num_steps=100000")
