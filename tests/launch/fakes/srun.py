@@ -9,11 +9,12 @@ Simulated, each from srun(1) (https://slurm.schedmd.com/srun.html) or Slurm's so
   These are what JAX's SLURM detection reads (jax/_src/clusters/slurm_cluster.py:
   SLURM_JOB_ID, SLURM_STEP_NODELIST, SLURM_NTASKS, SLURM_PROCID, SLURM_LOCALID). All the
   simulated nodes are this machine, so the node list is `localhost`.
-- CPUs per task: `-c/--cpus-per-task`, else SRUN_CPUS_PER_TASK (srun(1), INPUT ENVIRONMENT
-  VARIABLES); the job's own --cpus-per-task is not inherited, as from Slurm 22.05
-  (RELEASE_NOTES of 22.05: "srun will no longer read in SLURM_CPUS_PER_TASK ... set the new
-  SRUN_CPUS_PER_TASK env var"), so without either a task gets 1 CPU. The task sees its
-  count as SLURM_CPUS_PER_TASK.
+- CPUs per task: `-c/--cpus-per-task`, else an environment variable: from Slurm 22.05 to
+  23.02 SRUN_CPUS_PER_TASK only, not the job's SLURM_CPUS_PER_TASK (RELEASE_NOTES of 22.05:
+  "srun will no longer read in SLURM_CPUS_PER_TASK ... set the new SRUN_CPUS_PER_TASK env
+  var"); from 23.11 SLURM_CPUS_PER_TASK again (RELEASE_NOTES of 23.11: "Replace
+  SRUN_CPUS_PER_TASK with SLURM_CPUS_PER_TASK"). Without one, a task gets 1 CPU. The task
+  sees its count as SLURM_CPUS_PER_TASK.
 - Signals to srun itself, as src/srun/srun_job.c `_srun_signal_mgr` (23.02, 24.05) and
   src/srun/signals.c `_forward_signal` (HEAD) handle them: SIGTERM, SIGHUP and SIGQUIT log
   "forcing job termination" and SIGKILL every task (launch_fwd_signal(SIGKILL)): nothing is
@@ -69,7 +70,8 @@ def main(argv):
     kill_on_bad_exit = options.get("kill-on-bad-exit") == "1" or "K" in options
     ntasks = int(options.get("ntasks", os.environ.get("SLURM_NTASKS", "1")))
     per_node = int(os.environ.get("SLURM_NTASKS_PER_NODE", str(ntasks)))
-    cpus = options.get("cpus-per-task") or os.environ.get("SRUN_CPUS_PER_TASK") or "1"
+    inherited = "SLURM_CPUS_PER_TASK" if version() >= (23, 11) else "SRUN_CPUS_PER_TASK"
+    cpus = options.get("cpus-per-task") or os.environ.get(inherited) or "1"
     nodes = -(-ntasks // per_node)
     job_id = os.environ.get("SLURM_JOB_ID", "0")
     with common.locked():
