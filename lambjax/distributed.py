@@ -131,6 +131,18 @@ def barrier(name: str) -> None:
         multihost_utils.sync_global_devices(name)
 
 
+def process_zero_decides(decision: bool) -> bool:
+    """Process 0's `decision`, on every process (for choices made on a local clock)."""
+    import jax
+
+    if jax.process_count() == 1:
+        return decision
+    import numpy as np
+    from jax.experimental import multihost_utils
+
+    return bool(multihost_utils.broadcast_one_to_all(np.asarray(decision, np.bool_)))
+
+
 class StopRequest:
     """SIGTERM handling: the training loop asks `requested(step)` at every step boundary.
 

@@ -23,6 +23,14 @@ library reads:
 - TensorFlow (TensorBoard event files, profiler traces) reads nothing: what it writes for a
   gs:// workdir goes to a local folder that `Mirror` copies into the bucket.
 
+Against a real bucket (no STORAGE_EMULATOR_HOST) gcsfs uses its default class,
+`ExtendedGcsFileSystem`, which the emulator tests do not run: it first asks the Storage Control
+API (gRPC, storage.googleapis.com:443) for each bucket's layout (GetStorageLayout, which needs
+`storage.objects.list`, as in roles/storage.objectUser; refused, gcsfs warns and falls back
+to plain object calls, asking again at each operation), and on a bucket with hierarchical
+namespace it creates, renames and deletes folders through that API (the `storage.folders.*`
+permissions). A flat bucket needs no more than object reads, writes, lists and deletes.
+
 GCS has no atomic rename and no append. So nothing in lambjax relies on either: builds are
 complete when their last file (a marker) exists, Orbax marks finished checkpoints on GCS with
 `commit_success.txt`, and append-only logs are written locally and mirrored whole.

@@ -1,16 +1,24 @@
 """GLUE tasks: their files, labels and features.
 
-Files are GLUE's own TSVs as its download script writes them (CoLA without a header row, the
-others with one; no quoting), read by column name, or `tfds:glue/TASK:SPLIT` from a prepared
-TFDS directory. A sentence pair is `[CLS] a [SEP] b [SEP]`, the longer of the two cut a token
-at a time until the pair fits (run_classifier.py's _truncate_seq_pair). STS-B is regression
-(one output, mean squared error); the others are classification.
+Files are GLUE's own TSVs as its download script (GLUE-baselines' download_glue_data.py)
+writes them, read by column name, or `tfds:glue/TASK:SPLIT` from a prepared TFDS directory.
+What those files hold, as TFDS's glue builder (tensorflow_datasets/text/glue.py) reads them
+too: CoLA's train and dev files have no header row; MRPC's header keeps the UTF-8 byte order
+mark of the Microsoft corpus file it is copied from; fields are never quoted (a `"` is
+text); a line ends at `\n` alone (a `\r` before it is dropped); a row with fewer fields
+than the header (a text broken over two lines) is skipped with a warning, as TFDS skips rows
+with missing fields, unless more than 1 row in 1000 is, which means the file is not the
+task's; a row with more fields is read by the header's positions, as TFDS reads it.
+
+A sentence pair is `[CLS] a [SEP] b [SEP]`, the longer of the two cut a token at a time
+until the pair fits (run_classifier.py's _truncate_seq_pair). STS-B is regression (one
+output, mean squared error); the others are classification.
 """
 
-import csv
 import dataclasses
 
 import numpy as np
+from absl import logging
 
 from lambjax.finetune import sources
 from lambjax.finetune.errors import FinetuneError
@@ -29,6 +37,9 @@ class Task:
     def num_labels(self) -> int:
         return 1 if self.labels is None else len(self.labels)
 
+
+# The most rows with missing fields that a file may have: 1 in 1000.
+MALFORMED_ROWS_PER_1000 = 1
 
 _BINARY = ("0", "1")
 _ENTAILMENT = ("entailment", "not_entailment")
@@ -91,34 +102,56 @@ def _read_tsv(task: Task, path: str) -> Examples:
     if not epath.Path(path).exists():
         raise FinetuneError(f"{task.name} file {path!r}: no such file")
     try:
-        lines = epath.Path(path).read_text(encoding="utf-8").splitlines()
+        # utf-8-sig: a leading byte order mark (MRPC's header) is not part of the first name.
+        text = epath.Path(path).read_bytes().decode("utf-8-sig")
     except UnicodeDecodeError as e:
         raise FinetuneError(f"{task.name} file {path!r} is not UTF-8 text: {e}") from e
-    rows = list(csv.reader(lines, delimiter="\t", quoting=csv.QUOTE_NONE))
+    # Fields are unquoted and a line ends at "\n" only: str.splitlines would also split at
+    # characters that GLUE's texts contain (\x0b, \x1c, \x85, \u2028, ...).
+    rows = [
+        (number, line.removesuffix("\r").split("\t"))
+        for number, line in enumerate(text.split("\n"), start=1)
+        if line.strip("\r")
+    ]
     columns = list(task.text_columns) + [task.label_column]
+    width = 4  # CoLA: source, label, the author's mark, sentence
     if task.header:
         if not rows:
             raise FinetuneError(f"{task.name} file {path!r} is empty")
-        header, rows = rows[0], rows[1:]
+        (_, header), rows = rows[0], rows[1:]
         missing = [c for c in columns if c not in header]
         if missing:
             raise FinetuneError(
                 f"{task.name} file {path!r}: the header row lacks the columns {missing} "
                 f"(it has {header}); is this GLUE's {task.name.upper()} TSV?"
             )
-        columns = [header.index(c) for c in columns]
-    texts, labels = [], []
-    for number, row in enumerate(rows, start=2 if task.header else 1):
+        columns, width = [header.index(c) for c in columns], len(header)
+    texts, labels, malformed = [], [], []
+    for number, row in rows:
         where = f"{task.name} file {path!r} line {number}"
-        if len(row) <= max(columns):
-            raise FinetuneError(
-                f"{where}: {len(row)} tab-separated fields, expected at least {max(columns) + 1}"
-            )
+        if len(row) < width:
+            malformed.append((number, len(row)))
+            continue
         texts.append(tuple(row[c] for c in columns[:-1]))
         labels.append(_label(task, row[columns[-1]], where))
+    _check_malformed(task, path, malformed, len(rows), width)
     if not texts:
         raise FinetuneError(f"{task.name} file {path!r} holds no examples")
     return Examples(texts, np.asarray(labels, np.float32 if task.labels is None else np.int32))
+
+
+def _check_malformed(task: Task, path: str, malformed: list, num_rows: int, width: int) -> None:
+    """Skipped rows are logged; too many of them end the run, naming the first."""
+    if not malformed:
+        return
+    shown = ", ".join(f"line {n} ({k} fields)" for n, k in malformed[:3])
+    summary = (
+        f"{task.name} file {path!r}: {len(malformed)} of {num_rows} rows have fewer "
+        f"tab-separated fields than {width}: {shown}"
+    )
+    if len(malformed) * 1000 > num_rows * MALFORMED_ROWS_PER_1000:
+        raise FinetuneError(f"{summary}; is this GLUE's {task.name.upper()} TSV?")
+    logging.warning("%s; skipping them, as TFDS's glue builder does", summary)
 
 
 def _read_tfds(task: Task, source: str, data_dir) -> Examples:

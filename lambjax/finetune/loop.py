@@ -380,6 +380,9 @@ class FinetuneJob:
     def save(self, step: int, state) -> None:
         self.ckpt.save(step, state, {"step": step}, self.meta)
 
+    def save_due(self, step: int) -> bool:
+        return False  # by steps only
+
 
 def _duration(seconds: float) -> str:
     from lambjax.train import metrics as metrics_lib

@@ -137,6 +137,34 @@ class PhaseCheckpoints:
         self._manager = self._open()
 
 
+class SaveClock:
+    """Checkpoints by wall time: due once `every_minutes` have passed since the last save.
+
+    A preemption that gives no notice (Cloud TPU gives none; a node can fail at any time)
+    loses the work since the last save, so saving by steps alone bounds the loss in steps,
+    whose duration depends on the hardware; this bounds it in minutes. The clock is read
+    only at steps that are multiples of `check_every_steps` (the log steps, where the loop
+    waits for the device anyway), and process 0's reading decides for every process, so all
+    of them save at the same step. `every_minutes=0` turns it off.
+    """
+
+    def __init__(self, every_minutes: float, check_every_steps: int, clock=time.monotonic):
+        self._interval = 60.0 * every_minutes
+        self._check_every = check_every_steps
+        self._clock = clock
+        self._last_save = clock()
+
+    def due(self, step: int) -> bool:
+        """Whether to save after `step` (the same answer on every process)."""
+        if self._interval <= 0 or step % self._check_every:
+            return False
+        return distributed.process_zero_decides(self._clock() - self._last_save >= self._interval)
+
+    def saved(self) -> None:
+        """A checkpoint was written (for whatever reason): the interval starts again."""
+        self._last_save = self._clock()
+
+
 def leaf_shapes(tree) -> dict[str, tuple]:
     """{"params/encoder/...": shape} of a state, abstract state or checkpoint metadata."""
 

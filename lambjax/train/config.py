@@ -158,6 +158,10 @@ def base_config() -> ml_collections.ConfigDict:
     # Validation batches per evaluation; 0 = the whole held-out split.
     config.eval_steps = 0
     config.checkpoint_every_steps = 100
+    # Also save once this many minutes of wall time have passed since the last save (checked
+    # at log steps, decided by process 0 for all): a preemption without notice then loses at
+    # most about this much work. 0 = by steps only.
+    config.checkpoint_every_minutes = 30.0
     config.max_checkpoints_to_keep = 3
     config.async_checkpointing = True
     # Stop when this many consecutive steps had a non-finite loss or gradient.

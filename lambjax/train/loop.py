@@ -9,7 +9,8 @@ iterations:
   every step     the job's batch, the compiled train step
   log interval   the means of the metrics since the last log (one device-to-host transfer)
   eval interval  the job's evaluation (and after the last step, where the job asks for it)
-  checkpoint     at its interval and after the last step
+  checkpoint     at its interval, after the last step, and where the job says one is due
+                 (pretraining: by wall time)
   stop request   (SIGTERM, a pod's preemption notice): save at the step boundary and return
 """
 
@@ -86,6 +87,10 @@ class Job(Protocol):
 
     def save(self, step: int, state) -> None: ...
 
+    def save_due(self, step: int) -> bool:
+        """Whether to save after `step` beyond the checkpoint interval (the same answer on
+        every process)."""
+
 
 def run(job: Job, state, step: int, stop, hooks=()) -> tuple[object, int, bool]:
     """Trains from `step` to the job's last step: (state, step, whether a stop was asked)."""
@@ -106,7 +111,7 @@ def run(job: Job, state, step: int, stop, hooks=()) -> tuple[object, int, bool]:
         every = intervals.eval_every_steps
         if (every and step % every == 0 and not last) or (last and intervals.eval_after_last_step):
             job.evaluate(step, state)
-        if step % intervals.checkpoint_every_steps == 0 or last:
+        if step % intervals.checkpoint_every_steps == 0 or last or job.save_due(step):
             job.save(step, state)
     return state, step, False
 

@@ -126,6 +126,7 @@ class RunPlan:
     eval_batch_size: int
     eval_steps: int  # validation batches per evaluation; 0 = the whole split
     checkpoint_every_steps: int
+    checkpoint_every_minutes: float  # also save by wall time; 0 = by steps only
     max_checkpoints_to_keep: int
     async_checkpointing: bool
     max_consecutive_nonfinite_steps: int
@@ -159,6 +160,7 @@ def resolve(config, *, vocab_size: int, num_devices: int, process_count: int = 1
         eval_batch_size=config.eval_batch_size,
         eval_steps=config.eval_steps,
         checkpoint_every_steps=config.checkpoint_every_steps,
+        checkpoint_every_minutes=config.checkpoint_every_minutes,
         max_checkpoints_to_keep=config.max_checkpoints_to_keep,
         async_checkpointing=config.async_checkpointing,
         max_consecutive_nonfinite_steps=config.max_consecutive_nonfinite_steps,
@@ -197,6 +199,11 @@ def _check_run(config, process_count: int) -> None:
     for field in ("log_every_steps", "eval_every_steps", "checkpoint_every_steps"):
         if config[field] <= 0:
             raise ConfigError(f"config.{field}={config[field]} must be a positive integer")
+    if not config.checkpoint_every_minutes >= 0:
+        raise ConfigError(
+            f"config.checkpoint_every_minutes={config.checkpoint_every_minutes} must be >= 0 "
+            "(0: checkpoints by steps only)"
+        )
     if config.eval_batch_size <= 0 or config.eval_batch_size % process_count:
         raise ConfigError(
             f"config.eval_batch_size={config.eval_batch_size} must be positive and divisible "

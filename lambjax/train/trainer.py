@@ -135,6 +135,7 @@ class PhaseLoop:
         self.rng = jax.random.fold_in(jax.random.key(run.seed), phase.index)
         self.meta = phase.checkpoint_meta(run.config_json)
         self.throughput = phases.throughput_meter(run, phase.plan)
+        self.save_clock = checkpointing.SaveClock(run.checkpoint_every_minutes, run.log_every_steps)
         self.later_phases_flops = phases.later_phases_flops(run, phase.plan)
         self.eval_metrics = {}
 
@@ -205,6 +206,10 @@ class PhaseLoop:
         if not self.ckpt.steps():  # the phase's first checkpoint: the config it runs
             workdir_lib.save_config(self.run_plan.config_json, self.workdir)
         self.ckpt.save(step, state, self.train_iter.get_state(), self.meta)
+        self.save_clock.saved()
+
+    def save_due(self, step: int) -> bool:
+        return self.save_clock.due(step)
 
 
 def check_nonfinite(state, step: int, limit: int) -> None:

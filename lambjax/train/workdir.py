@@ -40,6 +40,7 @@ RESUMABLE = (
     "eval_batch_size",
     "eval_steps",
     "checkpoint_every_steps",
+    "checkpoint_every_minutes",
     "max_checkpoints_to_keep",
     "async_checkpointing",
     "max_consecutive_nonfinite_steps",

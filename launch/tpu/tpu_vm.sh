@@ -13,7 +13,15 @@
 #                 lockfile cleared first); a run that exists resumes from its checkpoint
 #   run           create (if needed), install, train, and supervise until the run finishes:
 #                 a preempted spot VM or queued resource is deleted, created again, and the
-#                 run resumes; every worker's log is collected at the end
+#                 run resumes; every worker's log is collected at the end. It rides out what
+#                 is not a preemption: a describe that fails (a 5xx, a 429, the network) is
+#                 retried, and only an explicit PREEMPTED, TERMINATED, FAILED or (queued)
+#                 SUSPENDED state deletes anything; a create that fails for capacity (a
+#                 stock-out) or a transient error, and an install or train whose SSH
+#                 connection dropped (exit 255), are retried. Waits between retries double
+#                 from POLL_SECONDS up to RETRY_MAX_SECONDS, and each retry is logged with
+#                 its reason. Cloud TPU gives no notice before a preemption: what a run loses
+#                 is bounded by its checkpoint interval (config.checkpoint_every_minutes).
 #   status        every worker's trainer: running, stopped, exit N, none
 #   stop          SIGTERM on every worker; returns once every worker has saved and exited
 #   logs          follows worker 0's log
@@ -28,8 +36,9 @@
 #   BUCKET, RUN, CONFIG            the workdir is $BUCKET/$RUN (gs://..., shared by all
 #                                  workers); CONFIG: configs/X.py[:size,variants]
 #   SPOT=1, QUEUED=1               spot capacity; a queued resource instead of a plain VM
-#   QUEUE_TIMEOUT (21600 s), POLL_SECONDS (60), STOP_TIMEOUT (900 s), MAX_RECREATES (20),
-#   LOGS_DIR (tpu-logs/$RUN), DRY_RUN=1 (print the gcloud commands, run nothing)
+#   QUEUE_TIMEOUT (21600 s), POLL_SECONDS (60), RETRY_MAX_SECONDS (600), STOP_TIMEOUT (900 s),
+#   MAX_RECREATES (20), LOGS_DIR (tpu-logs/$RUN), DRY_RUN=1 (print the gcloud commands, run
+#   nothing)
 set -euo pipefail
 LAUNCH_DIR="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 
@@ -42,7 +51,7 @@ usage() {
 }
 
 SETTINGS=(PROJECT ZONE TPU_NAME ACCELERATOR_TYPE RUNTIME_VERSION BUCKET RUN CONFIG SPOT QUEUED
-  QUEUE_TIMEOUT POLL_SECONDS STOP_TIMEOUT MAX_RECREATES LOGS_DIR DRY_RUN)
+  QUEUE_TIMEOUT POLL_SECONDS RETRY_MAX_SECONDS STOP_TIMEOUT MAX_RECREATES LOGS_DIR DRY_RUN)
 COMMAND="${1:-}"
 [ $# -gt 0 ] && shift
 TRAIN_FLAGS=()
@@ -69,6 +78,7 @@ ACCELERATOR_TYPE="${ACCELERATOR_TYPE:-v4-32}"
 CONFIG="${CONFIG:-configs/bert_lamb.py:large}"
 QUEUE_TIMEOUT="${QUEUE_TIMEOUT:-21600}"
 POLL_SECONDS="${POLL_SECONDS:-60}"
+RETRY_MAX_SECONDS="${RETRY_MAX_SECONDS:-600}"
 STOP_TIMEOUT="${STOP_TIMEOUT:-900}"
 MAX_RECREATES="${MAX_RECREATES:-20}"
 
@@ -89,6 +99,11 @@ settings() {
   RUN="${RUN:-$TPU_NAME}"
   LOGS_DIR="${LOGS_DIR:-tpu-logs/$RUN}"
   WHERE=(--project="$PROJECT" --zone="$ZONE")
+  local name
+  for name in POLL_SECONDS RETRY_MAX_SECONDS; do
+    [[ "${!name}" =~ ^[0-9]+(\.[0-9]+)?$ ]] && [ "${!name}" != 0 ] ||
+      EXIT=2 die "$name=${!name} must be a positive number of seconds"
+  done
 }
 
 log() { echo "[tpu_vm $(date -u +%H:%M:%S)] $*"; }
@@ -115,17 +130,43 @@ worker_script() { echo "bash ~/lambjax/launch/tpu/worker.sh $1"; }
 # --- The TPU's state ------------------------------------------------------------------------
 
 # Prints the node's state (READY, CREATING, PREEMPTED, ...; MISSING when it does not exist);
-# with QUEUED=1 the queued resource's (WAITING_FOR_RESOURCES, ACTIVE, SUSPENDED, ...).
+# with QUEUED=1 the queued resource's (WAITING_FOR_RESOURCES, ACTIVE, SUSPENDED, ...). Only
+# describe's stdout is the state: gcloud writes update notices and warnings to stderr. A
+# describe that fails otherwise than NOT_FOUND (a 5xx, a 429, the network) prints
+# `UNKNOWN: <its error>`: nothing is known about the node then.
 state() {
-  local out
+  local out errors code=0
+  errors="$(mktemp)"
   if queued; then
-    out="$(tpus queued-resources describe "$TPU_NAME" --format='value(state.state)' 2>&1)" ||
-      { [[ "$out" == *NOT_FOUND* ]] && echo MISSING || echo "UNKNOWN"; return; }
+    out="$(tpus queued-resources describe "$TPU_NAME" --format='value(state.state)' 2> "$errors")" || code=$?
   else
-    out="$(tpus tpu-vm describe "$TPU_NAME" --format='value(state)' 2>&1)" ||
-      { [[ "$out" == *NOT_FOUND* ]] && echo MISSING || echo "UNKNOWN"; return; }
+    out="$(tpus tpu-vm describe "$TPU_NAME" --format='value(state)' 2> "$errors")" || code=$?
   fi
-  echo "$out"
+  out="$(echo "$out" | head -n 1 | tr -d '[:space:]')"
+  if [ "$code" = 0 ] && [ -n "$out" ]; then
+    echo "$out"
+  elif [ "$code" != 0 ] && grep -q NOT_FOUND "$errors"; then
+    echo MISSING
+  else
+    echo "UNKNOWN: $(error_of "$errors") (exit $code)"
+  fi
+  rm -f "$errors"
+}
+
+# The last line of a command's stderr that says something, cut to 300 characters.
+error_of() { grep -v '^[[:space:]]*$' "$1" | tail -n 1 | cut -c 1-300; }
+
+# Seconds before retry number $1: POLL_SECONDS, doubled each time, at most RETRY_MAX_SECONDS.
+backoff() {
+  awk -v p="$POLL_SECONDS" -v n="$1" -v m="$RETRY_MAX_SECONDS" \
+    'BEGIN { d = p * 2 ^ (n - 1); print (d < m ? d : m) }'
+}
+
+retry_after() {  # retry_after ATTEMPT WHAT REASON
+  local delay
+  delay="$(backoff "$1")"
+  log "$2 failed ($3): retry $1 in ${delay}s"
+  sleep "$delay"
 }
 
 healthy() { local s; s="$(state)"; [ "$s" = READY ] || [ "$s" = ACTIVE ]; }
@@ -138,13 +179,18 @@ worker_count() {
 # --- Commands -------------------------------------------------------------------------------
 
 create() {
+  create_request
+  if queued && [ "${DRY_RUN:-0}" != 1 ]; then wait_active; fi
+}
+
+# The create call alone (a queued resource is then waiting, not yet ACTIVE).
+create_request() {
   local spot=()
   [ "${SPOT:-0}" = 1 ] && spot=(--spot)
   if queued; then
     run gcloud compute tpus queued-resources create "$TPU_NAME" "${WHERE[@]}" \
       --node-id="$TPU_NAME" --accelerator-type="$ACCELERATOR_TYPE" \
       --runtime-version="$RUNTIME_VERSION" "${spot[@]}"
-    [ "${DRY_RUN:-0}" = 1 ] || wait_active
   else
     run gcloud compute tpus tpu-vm create "$TPU_NAME" "${WHERE[@]}" \
       --accelerator-type="$ACCELERATOR_TYPE" --version="$RUNTIME_VERSION" "${spot[@]}"
@@ -226,52 +272,106 @@ run_state() {
   fi
 }
 
+# Errors after which a create is worth trying again (the API's status names and codes, its
+# HTTP statuses, a stock-out's "no more capacity", gcloud's own network errors).
+RETRYABLE='RESOURCE_EXHAUSTED|UNAVAILABLE|INTERNAL|DEADLINE_EXCEEDED|ABORTED|[Cc]apacity|"code": ?(4|8|10|13|14)[,}]|HTTP 429|HTTP 50[0-4]|\((Connection|Transport|Timeout)Error\)'
+
+# create, for `run`: true once created (or already there), false after an error worth a
+# retry (its reason in $1); any other error ends the script.
+create_for_run() {
+  local errors="$1" code=0
+  create_request 2> "$errors" || code=$?
+  cat "$errors" >&2
+  if [ "$code" = 0 ] || grep -q ALREADY_EXISTS "$errors"; then return 0; fi
+  grep -qE "$RETRYABLE" "$errors" || die "creating $TPU_NAME failed: $(error_of "$errors")"
+  return 1
+}
+
+# install, then train; a command whose SSH connection dropped (gcloud's ssh exits 255) is
+# retried up to 5 times. False when the workers stay unreachable; any other failure ends
+# the script.
+start_run() {
+  local command attempt code
+  for command in install train; do
+    attempt=0
+    while :; do
+      code=0
+      "$command" || code=$?
+      [ "$code" = 0 ] && break
+      [ "$code" = 255 ] || die "$command on $TPU_NAME failed (exit $code)"
+      attempt=$((attempt + 1))
+      [ "$attempt" -le 5 ] || return 1
+      retry_after "$attempt" "$command on $TPU_NAME" "SSH connection dropped, exit 255"
+    done
+  done
+}
+
 supervise() {
   : "${BUCKET:?set BUCKET (gs://...), the workdir every worker shares}"
   [ "${DRY_RUN:-0}" != 1 ] || EXIT=2 die "run follows the TPU's state: it has no DRY_RUN"
-  local recreated=0 started=0 s now
-  recreate_once() {
-    [ "$recreated" -lt "$MAX_RECREATES" ] ||
-      die "$TPU_NAME is $1 again after $recreated re-creations (MAX_RECREATES=$MAX_RECREATES)"
-    recreated=$((recreated + 1))
-    log "$TPU_NAME is $1 (preempted?): creating it again ($recreated), then resuming the run"
-  }
-  s="$(state)"
-  if [ "$s" = READY ] || [ "$s" = ACTIVE ]; then
-    started=1
-    now="$(run_state)"
-    if [ "$now" = running ]; then
-      log "the run is already running: supervising it"
-    else
-      install
-      train
-    fi
+  # lost: the TPU was lost (preempted, or gone) and is not created again yet; to_start: the
+  # run must be started on it (after a creation, or on the first READY).
+  local recreated=0 lost=0 to_start=1 s="" last="" now unknown=0 create_failures=0 errors
+  errors="$(mktemp)"
+  trap 'rm -f "$errors"' RETURN
+  if healthy && [ "$(run_state)" = running ]; then
+    log "the run is already running: supervising it"
+    to_start=0
   fi
   while :; do
     s="$(state)"
-    if [ "$s" != READY ] && [ "$s" != ACTIVE ]; then
-      case "$s" in
-        CREATING | ACCEPTED | PROVISIONING | WAITING_FOR_RESOURCES | RESTARTING | REPAIRING | STARTING)
-          log "$TPU_NAME: $s"
-          queued && wait_active || { sleep "$POLL_SECONDS"; continue; }
-          ;;
-        MISSING)
-          if [ "$started" = 1 ]; then
-            recreate_once "$s"
-          else
-            log "creating $TPU_NAME"
-          fi
-          create
-          ;;
-        *)
-          recreate_once "$s"
-          delete
-          create
-          ;;
-      esac
-      install
-      train
-      started=1
+    if [[ "$s" == UNKNOWN* ]]; then
+      unknown=$((unknown + 1))
+      retry_after "$unknown" "describing $TPU_NAME" "${s#UNKNOWN: }"
+      continue
+    fi
+    unknown=0
+    [ "$s" = "$last" ] || log "$TPU_NAME: $s"
+    last="$s"
+    case "$s" in
+      READY | ACTIVE) ;;
+      PREEMPTED | TERMINATED | FAILED | SUSPENDED)
+        # The only states that delete: the node (or request) is gone for good.
+        if [ "$lost" = 0 ]; then
+          [ "$recreated" -lt "$MAX_RECREATES" ] ||
+            die "$TPU_NAME is $s again after $recreated re-creations (MAX_RECREATES=$MAX_RECREATES)"
+          recreated=$((recreated + 1))
+          lost=1
+          log "$TPU_NAME is $s (preempted?): creating it again ($recreated), then resuming the run"
+        fi
+        if ! delete 2> "$errors"; then
+          retry_after 1 "deleting $TPU_NAME" "$(error_of "$errors")"
+        fi
+        continue
+        ;;
+      MISSING)
+        if [ "$to_start" = 0 ] && [ "$lost" = 0 ]; then
+          [ "$recreated" -lt "$MAX_RECREATES" ] ||
+            die "$TPU_NAME is gone again after $recreated re-creations (MAX_RECREATES=$MAX_RECREATES)"
+          recreated=$((recreated + 1))
+          log "$TPU_NAME is gone (preempted?): creating it again ($recreated), then resuming the run"
+        fi
+        lost=1
+        if create_for_run "$errors"; then
+          create_failures=0
+          lost=0
+          to_start=1
+        else
+          create_failures=$((create_failures + 1))
+          retry_after "$create_failures" "creating $TPU_NAME" "$(error_of "$errors")"
+        fi
+        continue
+        ;;
+      *)
+        # On its way (CREATING, STARTING, REPAIRING, WAITING_FOR_RESOURCES, PROVISIONING, ...)
+        # or stopped by someone (STOPPED, STOPPING, HIDDEN, DELETING, ...): wait and see.
+        sleep "$POLL_SECONDS"
+        continue
+        ;;
+    esac
+    if [ "$to_start" = 1 ]; then
+      start_run || continue
+      to_start=0
     fi
     sleep "$POLL_SECONDS"
     healthy || continue

@@ -111,8 +111,13 @@ stop() {
 }
 
 status() {
-  local pid
+  local pid deadline
   pid="$(cat "$DIR/train.pid" 2> /dev/null || true)"
+  if [ ! -s "$DIR/train.status" ] && [ -n "$pid" ] && ! alive "$pid"; then
+    # The process has just ended: its status follows at once.
+    deadline=$((SECONDS + 5))
+    while [ ! -s "$DIR/train.status" ] && [ "$SECONDS" -lt "$deadline" ]; do sleep 0.2; done
+  fi
   if [ -s "$DIR/train.status" ]; then
     say "$(cat "$DIR/train.status")"
   elif alive "$pid"; then

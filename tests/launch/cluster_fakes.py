@@ -6,7 +6,7 @@ import os
 import sys
 
 FAKES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fakes")
-TOOLS = ("gcloud", "sbatch", "scontrol", "srun")
+TOOLS = ("gcloud", "sbatch", "scancel", "scontrol", "srun")
 
 
 def environment(tmp_path, base: dict | None = None) -> dict:
@@ -49,6 +49,19 @@ def preempt(env: dict, name: str) -> None:
         env=env,
         check=True,
     )
+
+
+def slurm_preempt(env: dict, job_id: str, grace_time: float, mode: str = "REQUEUE") -> None:
+    """Preempts the fake SLURM job (fakes/slurmctld.py, `preempt`): the partition's
+    GraceTime in seconds, PreemptMode REQUEUE or CANCEL."""
+    import subprocess
+
+    subprocess.run(
+        [sys.executable, os.path.join(FAKES, "slurmctld.py"), "preempt", job_id,
+         str(grace_time), mode],
+        env=env,
+        check=True,
+    )  # fmt: skip
 
 
 def tpu_state(env: dict) -> dict:

@@ -210,6 +210,14 @@ def test_a_setting_flag_that_is_not_a_setting_ends_before_anything_runs(cloud):
     assert "lambjax.main flags after --" in result.stderr
 
 
+def test_waits_must_be_seconds(cloud):
+    result = tpu_vm(cloud, "run", "--retry-max-seconds=ten", check=False)
+    assert result.returncode == 2 and cluster_fakes.calls(cloud) == []
+    assert result.stderr.strip() == (
+        "tpu_vm.sh: RETRY_MAX_SECONDS=ten must be a positive number of seconds"
+    )
+
+
 def test_stop_returns_once_every_worker_has_saved_and_exited(installed):
     env = installed
     tpu_vm(env, "train", "--", "--config.phases.phase1.num_steps=100000")
@@ -262,6 +270,94 @@ def test_run_recreates_a_preempted_spot_tpu_and_resumes_to_the_end(cloud, queued
         assert f"phase1 step {steps}/{steps}" in text
     resumed = int(re.search(r"at step (\d+)", open(logs[0]).read()).group(1))
     assert 1 <= resumed <= preempted_at
+
+
+def start_run(env, steps):
+    return subprocess.Popen(
+        ["bash", TPU_VM, "run", "--", f"--config.phases.phase1.num_steps={steps}"],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+
+
+def finish(run, timeout=120) -> str:
+    try:
+        out, _ = run.communicate(timeout=timeout)
+    finally:
+        run.kill()
+    assert run.returncode == 0, out
+    return out
+
+
+def set_faults(env, **faults):
+    """The failures the fake gcloud's next calls of each verb meet (fakes/gcloud.py)."""
+    with open(cluster_fakes.state_file(env, "faults.json"), "w") as f:
+        json.dump(faults, f)
+
+
+def trainer_starts(env) -> int:
+    with open(os.path.join(env["BUCKET"], env["RUN"], "argv-worker0.jsonl")) as f:
+        return len(f.readlines())
+
+
+def test_run_rides_out_stderr_noise_and_failed_describes_without_touching_the_node(cloud):
+    """gcloud's notices on stderr are not the node's state, and a describe that fails with
+    a 503, a 429, a 500 or no network says nothing about the node: the run goes on, on the
+    same node, with each retry logged."""
+    env = {**cloud, "SPOT": "1", "FAKE_GCLOUD_NOISE": "1", "RETRY_MAX_SECONDS": "0.4"}
+    run = start_run(env, 40)
+    wait_for(lambda: checkpoint(env) >= 3, what="training steps")
+    set_faults(env, describe=["503", "429", "network", "500"])
+    out = finish(run)
+    assert checkpoint(env) == 40 and "the run finished" in out
+    assert gcloud_calls(env, "compute", "tpus", "tpu-vm", "delete") == []
+    assert len(gcloud_calls(env, "compute", "tpus", "tpu-vm", "create")) == 1
+    assert trainer_starts(env) == 1  # never restarted
+    # Which describes meet the failures depends on timing (the run's status asks too);
+    # those of the state are retried after a wait that doubles up to RETRY_MAX_SECONDS.
+    retries = re.findall(r"describing bert failed \((.*)\): retry (\d+) in ([\d.]+)s", out)
+    assert len(retries) >= 3, out
+    assert [float(delay) for _, _, delay in retries][:3] == [0.2, 0.4, 0.4]
+    reasons = " ".join(reason for reason, _, _ in retries)
+    assert "ConnectionError" in reasons and "[HTTP 500] INTERNAL" in reasons
+
+
+def test_run_waits_out_a_stockout_after_a_preemption_and_resumes(cloud):
+    """After a spot preemption the create fails for capacity, twice: the supervisor waits
+    and tries again instead of ending, and the run resumes from its checkpoint."""
+    env = {**cloud, "SPOT": "1", "RETRY_MAX_SECONDS": "0.4"}
+    run = start_run(env, 40)
+    wait_for(lambda: checkpoint(env) >= 5, what="training steps")
+    set_faults(env, create=["capacity", "capacity"])
+    cluster_fakes.preempt(env, "bert")
+    preempted_at = checkpoint(env)
+    out = finish(run)
+    assert checkpoint(env) == 40 and "the run finished" in out
+    assert len(gcloud_calls(env, "compute", "tpus", "tpu-vm", "create")) == 4
+    assert len(gcloud_calls(env, "compute", "tpus", "tpu-vm", "delete")) == 1  # the PREEMPTED
+    assert out.count("There is no more capacity in the zone") >= 2
+    assert re.search(r"creating bert failed \(.*no more capacity.*\): retry 2 in 0.4s", out)
+    log = os.path.join(env["LOGS_DIR"], "worker-0.log")
+    resumed = int(re.search(r"at step (\d+)", open(log).read()).group(1))
+    assert 1 <= resumed <= preempted_at
+
+
+def test_run_retries_install_over_a_dropped_ssh_connection(cloud):
+    env = {**cloud, "RETRY_MAX_SECONDS": "0.4"}
+    set_faults(env, ssh=["255", "255"])
+    out = finish(start_run(env, 5))
+    assert checkpoint(env) == 5 and "the run finished" in out
+    assert "install on bert failed (SSH connection dropped, exit 255): retry 2 in 0.4s" in out
+
+
+def test_run_ends_on_a_create_error_that_retrying_cannot_fix(cloud):
+    result = tpu_vm(cloud, "run", "--runtime-version=v2-alpha-tpuv5", check=False)
+    assert result.returncode == 1
+    assert "tpu_vm.sh: creating bert failed: " in result.stderr
+    assert "INVALID_ARGUMENT" in result.stderr.splitlines()[-1]
 
 
 # ----------------------------------------------------------------------------------------

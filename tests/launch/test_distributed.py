@@ -99,6 +99,38 @@ def test_a_dead_process_stops_the_others(tmp_path):
     assert time.time() - started < 90
 
 
+DECIDE = """
+from lambjax import distributed
+distributed.initialize(heartbeat_timeout_seconds=10)
+import jax
+index = jax.process_index()
+# Each process's own clock would say something else; process 0's answer holds everywhere.
+print(f"process {index}:", distributed.process_zero_decides(index == 0),
+      distributed.process_zero_decides(index == 1), flush=True)
+"""
+
+
+def test_process_zero_decides_for_every_process(tmp_path):
+    """What the trainer's saves by time rest on: every process takes process 0's decision
+    (two tasks under the fake srun, joined through JAX's SLURM detection)."""
+    env = cluster_fakes.environment(tmp_path, helpers.environment(1))
+    job_id = str(int(time.time() * 1000) % 10**6 + 1)
+    env.update(SLURM_JOB_ID=job_id, SLURM_NTASKS="2", SLURM_NTASKS_PER_NODE="2")
+    result = subprocess.run(
+        ["srun", "--kill-on-bad-exit=1", sys.executable, "-c", DECIDE],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert sorted(line for line in result.stdout.splitlines() if line.startswith("process")) == [
+        "process 0: True False",
+        "process 1: True False",
+    ]
+
+
 @pytest.mark.parametrize(
     "generation, device_id",
     [("v4", "0x005e"), ("v5e", "0x0063"), ("v5p", "0x0062"), ("v6e", "0x006f")],

@@ -22,6 +22,7 @@ from tests.helpers import (
     environment,
     losses,
     wait_for_checkpoint,
+    wait_until,
 )
 from tests.helpers import demo_command as command
 from tests.helpers import (
@@ -105,6 +106,36 @@ def test_sigterm_saves_exits_zero_and_resumes(reference, data_dir, tmp_path):
     assert os.path.isdir(os.path.join(workdir, "checkpoints", phase, str(step)))
     run(workdir, data_dir, 4)
     assert losses(workdir) == losses(reference)
+
+
+def test_saves_by_time_and_a_run_killed_without_notice_resumes_bitwise(
+    reference, data_dir, tmp_path
+):
+    """With step checkpoints out of reach, config.checkpoint_every_minutes is what a run
+    killed without notice (a Cloud TPU preemption) resumes from; the losses are bitwise
+    those of the uninterrupted run."""
+    workdir = str(tmp_path)
+    by_time = (
+        "--config.phase_order=('phase1',)",
+        "--config.checkpoint_every_steps=1000",
+        "--config.checkpoint_every_minutes=0.002",  # 0.12 s
+    )
+    phase1 = os.path.join(workdir, "checkpoints", "phase1")
+
+    def saved_steps() -> list[int]:
+        names = os.listdir(phase1) if os.path.isdir(phase1) else []
+        return sorted(int(name) for name in names if name.isdigit())
+
+    process = start(workdir, data_dir, 4, *by_time)
+    wait_until(lambda: any(step < PHASE1_STEPS for step in saved_steps()), process)
+    process.kill()
+    process.wait()
+    killed_with = saved_steps()
+    assert killed_with and max(killed_with) < PHASE1_STEPS  # saves by time alone
+    result = run(workdir, data_dir, 4, *by_time)
+    assert f"resuming from its checkpoint at step {max(killed_with)}" in result.stderr
+    expected = losses(reference)
+    assert losses(workdir) == {step: expected[step] for step in range(1, PHASE1_STEPS + 1)}
 
 
 def test_phase_two_restores_onto_another_device_count(reference, data_dir, tmp_path):

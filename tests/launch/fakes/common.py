@@ -46,3 +46,29 @@ class locked:
 
     def __exit__(self, *exc):
         self._file.close()
+
+
+def slurm_version() -> str:
+    return os.environ.get("FAKE_SLURM_VERSION", "24.05.4")
+
+
+def signal_pids(pids, signum) -> None:
+    """Sends `signum` to each process of `pids` that is still there and is one of this fake
+    cluster's (a pid that ended may have been reused by another process since)."""
+    import psutil
+
+    for pid in pids:
+        try:
+            process = psutil.Process(pid)
+            if process.environ().get("FAKE_STATE") == state_dir():
+                process.send_signal(signum)
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            pass
+
+
+def job_steps(job_id: str) -> list[dict]:
+    """The srun steps (fakes/srun.py records each: its pid and its tasks' pids) of the job's
+    current run (a requeued job's batch script runs again: SLURM_RESTART_COUNT)."""
+    restart = load("job", {}).get("restart", 0)
+    steps = load("steps.json", [])
+    return [s for s in steps if s["job"] == job_id and s["restart"] == restart]

@@ -28,10 +28,27 @@ Simulated, and where each behaviour comes from:
   which deletes the node too. Here each describe is one tick of the clock: the request
   waits FAKE_QUEUE_TICKS ticks (default 2; `never`: capacity never frees up).
 - Preemption (`preempt`, called by the tests): a spot TPU VM's node becomes PREEMPTED and
-  its processes are stopped (SIGTERM, then killed after the notice; "Spot VMs": 30 seconds
-  of notice, FAKE_PREEMPT_NOTICE here); a queued resource's spot node is deleted and the
+  its processes are killed at once: Cloud TPU promises no notice before it preempts a Spot
+  VM ("Manage TPU Spot VMs"; FAKE_PREEMPT_NOTICE=N gives N seconds of SIGTERM first, as
+  Compute Engine's Spot VMs get 30); a queued resource's spot node is deleted and the
   request becomes SUSPENDED ("Manage queued resources": a preempted spot queued resource is
   SUSPENDED and must be deleted and created again).
+- stderr is not output: gcloud writes its status messages, warnings and update notices to
+  stderr and a command's result to stdout ("Scripting gcloud CLI commands"; the periodic
+  "Updates are available for some Google Cloud CLI components" notice, which
+  `gcloud config set component_manager/disable_update_check true` turns off). With
+  FAKE_GCLOUD_NOISE=1 every command writes such a notice and a warning to stderr.
+- Failures that are not about the resource (`fault`, set by the tests in
+  $FAKE_STATE/faults.json: for each verb, the failures its next calls meet, in order):
+  `503`, `500` and `429` are the API's UNAVAILABLE, INTERNAL and RESOURCE_EXHAUSTED
+  ("API design guide: Errors", google.rpc.Code and its HTTP mapping; UNAVAILABLE and
+  RESOURCE_EXHAUSTED are the ones to retry with backoff); `network` is gcloud failing to
+  reach the API; `capacity` is a stock-out, the create's operation failing with code 8
+  (RESOURCE_EXHAUSTED) and "There is no more capacity in the zone ..." (the Create Node API
+  fails when capacity is short; queued resources wait for it instead: "Manage queued
+  resources") and creating nothing; `255` is an SSH connection that could not be made or
+  dropped (ssh(1): "ssh exits ... with 255 if an error occurred"), the command not run. The
+  wording of each message is the fake's; the status names and codes are the API's.
 """
 
 import json
@@ -56,6 +73,57 @@ RUNTIMES = {
 
 def error(command: str, message: str, code: int = 1):
     common.fail(f"({command})", message, code)
+
+
+FAULTS = {
+    "503": "[HTTP 503] UNAVAILABLE: The service is currently unavailable.",
+    "500": "[HTTP 500] INTERNAL: Internal error encountered.",
+    "429": "[HTTP 429] RESOURCE_EXHAUSTED: Quota exceeded for quota metric 'Read requests' "
+    "of service 'tpu.googleapis.com'.",
+}
+
+
+def noise() -> None:
+    if os.environ.get("FAKE_GCLOUD_NOISE") == "1":
+        print(
+            "WARNING: Property validation for compute/zone was skipped.\n\n"
+            "Updates are available for some Google Cloud CLI components.  To install them,\n"
+            "please run:\n  $ gcloud components update\n",
+            file=sys.stderr,
+        )
+
+
+def fault(verb: str) -> str | None:
+    """The next failure scripted for `verb` (consumed), or None."""
+    with common.locked():
+        faults = common.load("faults.json", {})
+        if not faults.get(verb):
+            return None
+        kind = faults[verb].pop(0)
+        common.save("faults.json", faults)
+    return kind
+
+
+def fail_with(kind: str, where: str, zone: str) -> None:
+    if kind == "network":
+        print(
+            "ERROR: gcloud crashed (ConnectionError): HTTPSConnectionPool(host="
+            "'tpu.googleapis.com', port=443): Max retries exceeded",
+            file=sys.stderr,
+        )
+        sys.exit(1)
+    if kind == "capacity":
+        error(
+            where,
+            '{"code": 8, "message": "There is no more capacity in the zone \\"'
+            + zone
+            + '\\"; you can try in another zone where Cloud TPU Nodes are offered '
+            '(see https://cloud.google.com/tpu/docs/regions) [EID: 0x5eed]"}',
+        )
+    if kind == "255":
+        print("ssh: connect to host 10.130.0.2 port 22: Connection timed out", file=sys.stderr)
+        sys.exit(255)
+    error(where, FAULTS[kind])
 
 
 def split(argv: list[str]) -> tuple[list[str], dict]:
@@ -305,7 +373,7 @@ def preempt(name: str) -> None:
 
 def _preempt(name: str) -> None:
     state = cluster()
-    notice = float(os.environ.get("FAKE_PREEMPT_NOTICE", "1"))
+    notice = float(os.environ.get("FAKE_PREEMPT_NOTICE", "0"))
     request = next((r for r in state["queued"].values() if r["node_id"] == name), None)
     node = state["nodes"][name]
     assert node["spot"], f"only spot nodes are preempted; {name} is not one"
@@ -323,10 +391,14 @@ def main(argv):
         preempt(argv[1])
         return 0
     common.record("gcloud", argv)
+    noise()
     positional, flags = split(argv)
     if positional[:2] != ["compute", "tpus"] or len(positional) < 4:
         error("gcloud", f"the fake knows only `compute tpus ...`, not {argv}")
     group, verb, rest = positional[2], positional[3], positional[4:]
+    kind = fault(verb)
+    if kind is not None:
+        fail_with(kind, f"gcloud.compute.tpus.{group}.{verb}", flags.get("zone", ""))
     if group == "tpu-vm" and verb in ("ssh", "scp"):
         return tpu_vm(verb, rest, flags)  # reads the state; commands run without the lock
     with common.locked():

@@ -11,6 +11,10 @@ Simulated, each from sbatch(1) (https://slurm.schedmd.com/sbatch.html):
 - `--requeue`: a requeued job's batch script "will be restarted from its beginning" with
   the same job id (scontrol(1), requeue); the fake starts it again when the batch shell
   has ended and `scontrol requeue` was called for the job.
+- `--cpus-per-task=N` sets SLURM_CPUS_PER_TASK in the batch shell ("Only set if the
+  --cpus-per-task option is specified"); srun does not take it from there (fakes/srun.py).
+- When the batch shell ends, the job ends: whatever of its steps still runs is killed
+  (fakes/slurmctld.py).
 - It prints "Submitted batch job <id>".
 - `--array=<indexes>` ("a comma separated list and/or a range of values with a '-'
   separator", e.g. 0,6,16-32) submits a job array: one job per index, each with its own
@@ -20,15 +24,18 @@ Simulated, each from sbatch(1) (https://slurm.schedmd.com/sbatch.html):
   jobs one after another.
 Unlike the real one it returns only when the job has ended (with the batch shell's exit
 status), and the time limit's `--signal=B:<sig>@<secs>` is left to the test, which reads
-the batch shell's pid from $FAKE_STATE/batch_pid.
+the batch shell's pid from $FAKE_STATE/batch_pid; preemptions are the tests' too
+(cluster_fakes.slurm_preempt).
 """
 
 import os
 import shlex
+import signal
 import subprocess
 import sys
 
 import common
+import slurmctld
 
 MAX_REQUEUES = 3
 
@@ -90,7 +97,10 @@ def run_job(job_id, options: dict, script: str, script_args: list, extra_env: di
     """Runs the batch script (again after each `scontrol requeue`); its exit status."""
     nodes = int(options.get("nodes", 1))
     per_node = int(options.get("ntasks-per-node", 1))
-    common.save("job", {"id": job_id, "options": options, "requeue": False})
+    common.save("job", {"id": job_id, "options": options, "requeue": False, "restart": 0})
+    cpus = (
+        {"SLURM_CPUS_PER_TASK": str(options["cpus-per-task"])} if "cpus-per-task" in options else {}
+    )
     status = 0
     for restart in range(MAX_REQUEUES + 1):
         env = dict(
@@ -103,6 +113,7 @@ def run_job(job_id, options: dict, script: str, script_args: list, extra_env: di
             SLURM_JOB_NODELIST="localhost",
             SLURM_SUBMIT_DIR=os.getcwd(),
             SLURM_RESTART_COUNT=str(restart),
+            **cpus,
             **extra_env,
         )
         # Without --error, sbatch writes both streams to the --output file.
@@ -111,13 +122,18 @@ def run_job(job_id, options: dict, script: str, script_args: list, extra_env: di
         shell = subprocess.Popen(
             ["bash", script, *script_args], env=env, stdout=stdout, stderr=stderr
         )
-        with open(os.path.join(common.state_dir(), "batch_pid"), "w") as f:
-            f.write(str(shell.pid))
+        with common.locked():
+            with open(os.path.join(common.state_dir(), "batch_pid"), "w") as f:
+                f.write(str(shell.pid))
+            job = common.load("job", {})
+            common.save("job", {**job, "batch_pid": shell.pid, "restart": restart})
         status = shell.wait()
-        job = common.load("job", {})
+        with common.locked():
+            common.signal_pids(slurmctld.every_pid(job_id), signal.SIGKILL)
+            job = common.load("job", {})
+            common.save("job", {**job, "requeue": False, "ended": not job.get("requeue")})
         if not job.get("requeue"):
             break
-        common.save("job", {**job, "requeue": False})
     return status
 
 

@@ -16,6 +16,8 @@ def main(argv):
     job = common.load("job", None)
     if job is None or job["id"] != argv[1]:
         common.fail("scontrol", f"Invalid job id specified: {argv[1]}")
+    if job.get("cancelled") or job.get("ended"):
+        common.fail("scontrol", f"Job/step already completing or completed: {argv[1]}")
     if not job["options"].get("requeue"):
         common.fail("scontrol", f"Requested operation is presently disabled for job {argv[1]}")
     common.save("job", {**job, "requeue": True})

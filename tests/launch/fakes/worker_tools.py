@@ -15,7 +15,8 @@ stand-in that its venv runs.
   stand-in for lambjax's trainer with its contract (README, "Checkpoints"): every worker
   runs the same command, checkpoints are shared in W, a run resumes from the last one, and
   SIGTERM saves (FAKE_SAVE_SECONDS) and exits 0 after "Stopped in phase ...". It records
-  every argument list it got in W/argv-worker<N>.jsonl.
+  every argument list it got in W/argv-worker<N>.jsonl. Under (fake) srun it is task
+  SLURM_PROCID and records its SLURM_* environment in W/env-worker<N>.jsonl.
 """
 
 import json
@@ -106,11 +107,15 @@ def venv_python(argv):
 def trainer(flags):
     values = dict(f[2:].split("=", 1) for f in flags if f.startswith("--") and "=" in f)
     workdir = values["workdir"]
-    worker = int(os.environ["FAKE_TPU_WORKER"])
+    worker = int(os.environ.get("FAKE_TPU_WORKER", os.environ.get("SLURM_PROCID", "0")))
     num_steps = int(values.get("config.phases.phase1.num_steps", 10))
     os.makedirs(workdir, exist_ok=True)
     with open(os.path.join(workdir, f"argv-worker{worker}.jsonl"), "a") as f:
         f.write(json.dumps(flags) + "\n")
+    if "SLURM_JOB_ID" in os.environ:
+        slurm = {k: v for k, v in os.environ.items() if k.startswith("SLURM_")}
+        with open(os.path.join(workdir, f"env-worker{worker}.jsonl"), "a") as f:
+            f.write(json.dumps(slurm) + "\n")
     checkpoint = os.path.join(workdir, "checkpoint")
     step = int(open(checkpoint).read()) if os.path.exists(checkpoint) else 0
     if step:
