@@ -1,0 +1,302 @@
+"""The batch-scaling study's report: steps to a target held-out loss against batch size.
+
+A study is a sweep whose config file also defines `get_study(arg)`; the sweep keeps that
+dict in sweep.json and `python -m lambjax.sweep report DIR` adds its answer to the report.
+This module answers `{"kind": "batch_scaling", ...}` (configs/studies/batch_scaling.py):
+the trials are labelled (optimizer, batch, lr_x, seed), a grid of learning-rate multipliers
+on the square-root rule at every batch size, and two arms per optimizer are read off it by
+a rule fixed before the runs:
+
+  sqrt rule  the multiplier best at the smallest batch, kept at every batch size;
+  tuned      the multiplier best at each batch size;
+
+"best" is the fewest steps to the target eval MLM loss, then the lower final loss (a trial
+that never reaches the target counts as infinitely many steps). Steps to the target are
+the first evaluation step whose eval MLM loss is at or below it (evaluations come every
+1/evals_per_trial of the run, so a count is exact to that interval).
+
+Written into DIR: the study's section of report.md (a table per arm and batch size, the
+noise band of the repeated seeds, the other targets), steps_to_target.png (log-log, one
+line per arm, the perfect-scaling line and the sample budget), final_loss.png and
+learning_rates.png (the multiplier-scaled learning rate each arm used).
+"""
+
+import math
+
+from etils import epath
+
+from lambjax.train.metrics import read_jsonl
+
+LOSS = "eval/mlm_loss"
+ARMS = ("sqrt rule", "tuned")
+STYLES = {"lamb": ("tab:blue", "o"), "lans": ("tab:green", "s"), "adamw": ("tab:red", "^")}
+
+
+def eval_curve(workdir: str) -> list[tuple[int, float]]:
+    """(step, eval MLM loss) of one trial, in step order."""
+    path = epath.Path(workdir) / "metrics.jsonl"
+    if not path.exists():
+        return []
+    return [(step, r[LOSS]) for step, r in sorted(read_jsonl(str(path)).items()) if LOSS in r]
+
+
+def steps_to_target(curve: list[tuple[int, float]], target: float) -> int | None:
+    """The first evaluated step at or below `target`; None if none is."""
+    return next((step for step, loss in curve if loss <= target), None)
+
+
+def points(directory: str, trials: dict, target: float) -> list[dict]:
+    """One record per labelled trial: its labels, learning rate, steps to target, losses."""
+    result = []
+    for name, trial in trials.items():
+        labels = trial.get("labels")
+        if not labels:
+            continue
+        curve = eval_curve(f"{directory}/{name}")
+        result.append(
+            {
+                **labels,
+                "name": name,
+                "learning_rate": trial["overrides"].get("phases.phase1.learning_rate"),
+                "num_steps": trial["overrides"].get("phases.phase1.num_steps"),
+                "steps": steps_to_target(curve, target),
+                "final": curve[-1][1] if curve else None,
+                "done": trial.get("status") == "finished",
+                "curve": curve,
+            }
+        )
+    return result
+
+
+def rank(point: dict) -> tuple:
+    """Fewer steps to the target first, then lower final loss; misses and failures last."""
+    steps = point["steps"] if point["steps"] is not None else math.inf
+    final = point["final"] if point["final"] is not None and point["done"] else math.inf
+    return (steps, final if math.isfinite(final) else math.inf)
+
+
+def arms(grid: list[dict], batch_sizes: list[int]) -> dict[tuple[str, str], dict[int, dict]]:
+    """(optimizer, arm) -> batch size -> the chosen point, from the seed-0 grid."""
+    result = {}
+    for optimizer in dict.fromkeys(p["optimizer"] for p in grid):
+        mine = [p for p in grid if p["optimizer"] == optimizer]
+        at = {b: [p for p in mine if p["batch"] == b] for b in batch_sizes}
+        at = {b: ps for b, ps in at.items() if ps}
+        if not at:
+            continue
+        smallest = min(at)
+        base = min(at[smallest], key=rank)["lr_x"]
+        result[(optimizer, "sqrt rule")] = {
+            b: p for b, ps in at.items() for p in ps if p["lr_x"] == base
+        }
+        result[(optimizer, "tuned")] = {b: min(ps, key=rank) for b, ps in at.items()}
+    return result
+
+
+def study_report(directory: str, trials: dict, study: dict) -> str:
+    """The study's Markdown section; writes its plots into `directory`."""
+    target, samples = study["target_loss"], study["samples"]
+    batch_sizes = study["batch_sizes"]
+    every = points(directory, trials, target)
+    grid = [p for p in every if p["seed"] == 0]
+    chosen = arms(grid, batch_sizes)
+    lines = [
+        "## Batch scaling: steps to the target against batch size",
+        "",
+        f"Target: eval MLM loss <= {target} (fixed in the config before the runs). Every "
+        f"trial: {samples:,} sequences (num_steps = {samples:,} / batch). Learning rate = "
+        "base x sqrt(batch / smallest batch) x lr_x; `sqrt rule` keeps the lr_x best at the "
+        "smallest batch, `tuned` takes the best lr_x at each batch size. `-` = target not "
+        "reached within the budget; `(edge)` = the tuned lr_x is at the grid's edge.",
+        "",
+        arm_table(chosen, batch_sizes, study["multipliers"]),
+        "",
+        "Speed-up in steps to the target from each doubling of the batch (2.00 = perfect scaling):",
+        "",
+        speedup_table(chosen, batch_sizes),
+        "",
+    ]
+    noise = noise_table(every)
+    if noise:
+        lines += ["Noise: the same trial (lr_x = 1) with other seeds:", "", noise, ""]
+    for other in study.get("other_targets", []):
+        others = points(directory, trials, other)
+        lines += [
+            f"At target {other} (same choice rule):",
+            "",
+            arm_table(arms([p for p in others if p["seed"] == 0], batch_sizes), batch_sizes),
+            "",
+        ]
+    plot_steps(directory, chosen, batch_sizes, samples, target)
+    plot_finals(directory, chosen, batch_sizes)
+    plot_learning_rates(directory, chosen, batch_sizes)
+    lines.append("Plots: steps_to_target.png, final_loss.png, learning_rates.png")
+    return "\n".join(lines)
+
+
+def arm_table(chosen: dict, batch_sizes: list[int], multipliers=None) -> str:
+    header = ["optimizer", "arm", *(f"B={b}" for b in batch_sizes)]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for (optimizer, arm), by_batch in chosen.items():
+        cells = []
+        for b in batch_sizes:
+            p = by_batch.get(b)
+            if p is None:
+                cells.append("")
+                continue
+            steps = "-" if p["steps"] is None else str(p["steps"])
+            final = "failed" if not p["done"] else f"{p['final']:.3f}"
+            edge = ""
+            if multipliers and arm == "tuned" and p["lr_x"] in (min(multipliers), max(multipliers)):
+                edge = " (edge)"
+            cells.append(f"{steps} / {final} / lr {p['learning_rate']:.3g}{edge}")
+        lines.append(f"| {optimizer} | {arm} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n\nCells: steps to target / final eval MLM loss / learning rate."
+
+
+def speedup_table(chosen: dict, batch_sizes: list[int]) -> str:
+    pairs = list(zip(batch_sizes, batch_sizes[1:], strict=False))
+    header = ["optimizer", "arm", *(f"{a}->{b}" for a, b in pairs)]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for (optimizer, arm), by_batch in chosen.items():
+        cells = []
+        for a, b in pairs:
+            pa, pb = by_batch.get(a), by_batch.get(b)
+            if pa and pb and pa["steps"] and pb["steps"]:
+                cells.append(f"{pa['steps'] / pb['steps']:.2f}")
+            else:
+                cells.append("")
+        lines.append(f"| {optimizer} | {arm} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def noise_table(every: list[dict]) -> str:
+    """Per optimizer and batch size with repeated seeds (lr_x = 1): the spread."""
+    repeated = {(p["optimizer"], p["batch"]) for p in every if p["seed"] != 0}
+    if not repeated:
+        return ""
+    lines = [
+        "| optimizer | batch | seeds | steps to target | final eval MLM loss |",
+        "|---|---|---|---|---|",
+    ]
+    for optimizer, batch in sorted(repeated):
+        runs = sorted(
+            (p for p in every if (p["optimizer"], p["batch"]) == (optimizer, batch)),
+            key=lambda p: p["seed"],
+        )
+        runs = [p for p in runs if p["lr_x"] == 1.0]
+        steps = ", ".join("-" if p["steps"] is None else str(p["steps"]) for p in runs)
+        finals = [p["final"] for p in runs if p["final"] is not None]
+        spread = (
+            f"{sum(finals) / len(finals):.3f} (range {max(finals) - min(finals):.3f})"
+            if finals
+            else ""
+        )
+        seeds = ", ".join(str(p["seed"]) for p in runs)
+        lines.append(f"| {optimizer} | {batch} | {seeds} | {steps} | {spread} |")
+    return "\n".join(lines)
+
+
+def plot_steps(directory, chosen, batch_sizes, samples, target) -> None:
+    from lambjax.sweep import report
+
+    plt = report.pyplot()
+    figure, axis = plt.subplots(figsize=(7, 5))
+    budget = [samples / b for b in batch_sizes]
+    axis.plot(batch_sizes, budget, ":", color="gray", label="sample budget (all steps)")
+    anchors = [
+        by_batch[batch_sizes[0]]["steps"]
+        for by_batch in chosen.values()
+        if batch_sizes[0] in by_batch and by_batch[batch_sizes[0]]["steps"]
+    ]
+    if anchors:
+        best = min(anchors)
+        axis.plot(
+            batch_sizes,
+            [best * batch_sizes[0] / b for b in batch_sizes],
+            "--",
+            color="black",
+            label="perfect scaling",
+        )
+    for (optimizer, arm), by_batch in chosen.items():
+        color, marker = STYLES.get(optimizer, ("tab:gray", "o"))
+        style = "-" if arm == "tuned" else "-."
+        xs = [b for b in batch_sizes if b in by_batch and by_batch[b]["steps"]]
+        axis.plot(
+            xs,
+            [by_batch[b]["steps"] for b in xs],
+            style,
+            marker=marker,
+            color=color,
+            label=f"{optimizer}, {arm}",
+            markerfacecolor=color if arm == "tuned" else "white",
+        )
+        missed = [b for b in batch_sizes if b in by_batch and not by_batch[b]["steps"]]
+        axis.plot(
+            missed, [samples / b for b in missed], "x", color=color, markersize=9, linestyle=""
+        )
+    axis.set_xscale("log", base=2)
+    axis.set_yscale("log", base=2)
+    axis.set_xlabel("batch size (sequences)")
+    axis.set_ylabel(f"steps to eval MLM loss <= {target}")
+    axis.set_title("Steps to target (x: not reached within the budget)")
+    axis.legend(fontsize="small")
+    axis.grid(True, which="both", alpha=0.3)
+    figure.tight_layout()
+    report.save(figure, directory, "steps_to_target.png")
+
+
+def plot_finals(directory, chosen, batch_sizes) -> None:
+    from lambjax.sweep import report
+
+    plt = report.pyplot()
+    figure, axis = plt.subplots(figsize=(7, 4.5))
+    for (optimizer, arm), by_batch in chosen.items():
+        color, marker = STYLES.get(optimizer, ("tab:gray", "o"))
+        xs = [b for b in batch_sizes if b in by_batch and by_batch[b]["final"] is not None]
+        xs = [b for b in xs if math.isfinite(by_batch[b]["final"])]
+        axis.plot(
+            xs,
+            [by_batch[b]["final"] for b in xs],
+            "-" if arm == "tuned" else "-.",
+            marker=marker,
+            color=color,
+            markerfacecolor=color if arm == "tuned" else "white",
+            label=f"{optimizer}, {arm}",
+        )
+    axis.set_xscale("log", base=2)
+    axis.set_xlabel("batch size (sequences)")
+    axis.set_ylabel("final eval MLM loss")
+    axis.set_title("Final held-out loss at the same sample budget")
+    axis.legend(fontsize="small")
+    axis.grid(True, which="both", alpha=0.3)
+    figure.tight_layout()
+    report.save(figure, directory, "final_loss.png")
+
+
+def plot_learning_rates(directory, chosen, batch_sizes) -> None:
+    from lambjax.sweep import report
+
+    plt = report.pyplot()
+    figure, axis = plt.subplots(figsize=(7, 4.5))
+    for (optimizer, arm), by_batch in chosen.items():
+        color, marker = STYLES.get(optimizer, ("tab:gray", "o"))
+        xs = [b for b in batch_sizes if b in by_batch]
+        axis.plot(
+            xs,
+            [by_batch[b]["learning_rate"] for b in xs],
+            "-" if arm == "tuned" else "-.",
+            marker=marker,
+            color=color,
+            markerfacecolor=color if arm == "tuned" else "white",
+            label=f"{optimizer}, {arm}",
+        )
+    axis.set_xscale("log", base=2)
+    axis.set_yscale("log")
+    axis.set_xlabel("batch size (sequences)")
+    axis.set_ylabel("peak learning rate")
+    axis.set_title("Learning rate each arm used (sqrt rule: slope 1/2)")
+    axis.legend(fontsize="small")
+    axis.grid(True, which="both", alpha=0.3)
+    figure.tight_layout()
+    report.save(figure, directory, "learning_rates.png")
