@@ -182,10 +182,11 @@ def trial(study: dict, optimizer: str, batch_size: int, multiplier: float, seed:
 
 def get_sweep(arg=None):
     _, study = parse(arg)
+    # Batch by batch, so that a sweep stopped early has every optimizer at the same sizes.
     trials = [
         trial(study, optimizer, batch_size, multiplier, 0)
-        for optimizer in study["base_learning_rates"]
         for batch_size in study["batch_sizes"]
+        for optimizer in study["base_learning_rates"]
         for multiplier in study["multipliers"]
     ]
     trials += [
