@@ -3,12 +3,13 @@
 A study is a sweep whose config file also defines `get_study(arg)`; the sweep keeps that
 dict in sweep.json and `python -m lambjax.sweep report DIR` adds its answer to the report.
 This module answers `{"kind": "batch_scaling", ...}` (configs/studies/batch_scaling.py):
-the trials are labelled (optimizer, batch, lr_x, seed), a grid of learning-rate multipliers
-on the square-root rule at every batch size, and two arms per optimizer are read off it by
-a rule fixed before the runs:
+the trials are labelled (optimizer, batch, lr_x, seed), learning-rate multipliers on the
+square-root rule, and the arms are read off them by a rule fixed before the runs:
 
-  sqrt rule  the multiplier best at the smallest batch, kept at every batch size;
-  tuned      the multiplier best at each batch size;
+  sqrt rule  the multiplier the study declares for the optimizer (`rule_multipliers`), or
+             the one best at the smallest batch, kept at every batch size;
+  tuned      for the optimizers with a grid at every batch size (`tuned`), the multiplier
+             best at each batch size;
 
 "best" is the fewest steps to the target eval MLM loss, then the lower final loss (a trial
 that never reaches the target counts as infinitely many steps). Steps to the target are
@@ -75,8 +76,15 @@ def rank(point: dict) -> tuple:
     return (steps, final if math.isfinite(final) else math.inf)
 
 
-def arms(grid: list[dict], batch_sizes: list[int]) -> dict[tuple[str, str], dict[int, dict]]:
-    """(optimizer, arm) -> batch size -> the chosen point, from the seed-0 grid."""
+def arms(grid: list[dict], batch_sizes: list[int], study: dict | None = None) -> dict:
+    """(optimizer, arm) -> batch size -> the chosen point, from the seed-0 grid.
+
+    The sqrt rule keeps the multiplier `study["rule_multipliers"]` declares for the
+    optimizer, else the one best at the smallest batch; the tuned arm (optimizers in
+    `study["tuned"]`, all without a study) takes the best at each batch size.
+    """
+    study = study or {}
+    declared = study.get("rule_multipliers", {})
     result = {}
     for optimizer in dict.fromkeys(p["optimizer"] for p in grid):
         mine = [p for p in grid if p["optimizer"] == optimizer]
@@ -84,13 +92,35 @@ def arms(grid: list[dict], batch_sizes: list[int]) -> dict[tuple[str, str], dict
         at = {b: ps for b, ps in at.items() if ps}
         if not at:
             continue
-        smallest = min(at)
-        base = min(at[smallest], key=rank)["lr_x"]
+        base = declared.get(optimizer, min(at[min(at)], key=rank)["lr_x"])
         result[(optimizer, "sqrt rule")] = {
             b: p for b, ps in at.items() for p in ps if p["lr_x"] == base
         }
-        result[(optimizer, "tuned")] = {b: min(ps, key=rank) for b, ps in at.items()}
+        if optimizer in study.get("tuned", [optimizer]):
+            result[(optimizer, "tuned")] = {b: min(ps, key=rank) for b, ps in at.items()}
     return result
+
+
+def base_check(grid: list[dict], batch_sizes: list[int], study: dict) -> str:
+    """For the optimizers whose base is declared: is it the best of the grid at B0?"""
+    lines = []
+    for optimizer, declared in study.get("rule_multipliers", {}).items():
+        at_b0 = [p for p in grid if p["optimizer"] == optimizer and p["batch"] == batch_sizes[0]]
+        if len(at_b0) < 2:
+            continue
+        best = min(at_b0, key=rank)
+        cells = ", ".join(
+            f"lr_x {p['lr_x']}: {'-' if p['steps'] is None else p['steps']} steps, "
+            f"final {p['final']:.3f}"
+            for p in sorted(at_b0, key=lambda p: p["lr_x"])
+            if p["final"] is not None
+        )
+        verdict = "the declared base" if best["lr_x"] == declared else "NOT the declared base"
+        lines.append(
+            f"- {optimizer} at B={batch_sizes[0]}: {cells}; best lr_x {best['lr_x']} "
+            f"({verdict}, lr_x {declared})"
+        )
+    return "\n".join(lines)
 
 
 def study_report(directory: str, trials: dict, study: dict) -> str:
@@ -99,14 +129,15 @@ def study_report(directory: str, trials: dict, study: dict) -> str:
     batch_sizes = study["batch_sizes"]
     every = points(directory, trials, target)
     grid = [p for p in every if p["seed"] == 0]
-    chosen = arms(grid, batch_sizes)
+    chosen = arms(grid, batch_sizes, study)
     lines = [
         "## Batch scaling: steps to the target against batch size",
         "",
         f"Target: eval MLM loss <= {target} (fixed in the config before the runs). Every "
         f"trial: {samples:,} sequences (num_steps = {samples:,} / batch). Learning rate = "
-        "base x sqrt(batch / smallest batch) x lr_x; `sqrt rule` keeps the lr_x best at the "
-        "smallest batch, `tuned` takes the best lr_x at each batch size. `-` = target not "
+        "base x sqrt(batch / smallest batch) x lr_x; `sqrt rule` keeps one lr_x (declared, "
+        "or the best at the smallest batch), `tuned` takes the best lr_x at each batch size "
+        "(fewest steps to the target, then the lower final loss). `-` = target not "
         "reached within the budget; `(edge)` = the tuned lr_x is at the grid's edge.",
         "",
         arm_table(chosen, batch_sizes, study["multipliers"]),
@@ -116,6 +147,9 @@ def study_report(directory: str, trials: dict, study: dict) -> str:
         speedup_table(chosen, batch_sizes),
         "",
     ]
+    check = base_check(grid, batch_sizes, study)
+    if check:
+        lines += ["The declared bases against their grid at the smallest batch:", "", check, ""]
     noise = noise_table(every)
     if noise:
         lines += ["Noise: the same trial (lr_x = 1) with other seeds:", "", noise, ""]
@@ -124,7 +158,7 @@ def study_report(directory: str, trials: dict, study: dict) -> str:
         lines += [
             f"At target {other} (same choice rule):",
             "",
-            arm_table(arms([p for p in others if p["seed"] == 0], batch_sizes), batch_sizes),
+            arm_table(arms([p for p in others if p["seed"] == 0], batch_sizes, study), batch_sizes),
             "",
         ]
     plot_steps(directory, chosen, batch_sizes, samples, target)
@@ -147,7 +181,8 @@ def arm_table(chosen: dict, batch_sizes: list[int], multipliers=None) -> str:
             steps = "-" if p["steps"] is None else str(p["steps"])
             final = "failed" if not p["done"] else f"{p['final']:.3f}"
             edge = ""
-            if multipliers and arm == "tuned" and p["lr_x"] in (min(multipliers), max(multipliers)):
+            at_edge = p["lr_x"] in (min(multipliers or [0]), max(multipliers or [0]))
+            if arm == "tuned" and len(multipliers or []) > 1 and at_edge:
                 edge = " (edge)"
             cells.append(f"{steps} / {final} / lr {p['learning_rate']:.3g}{edge}")
         lines.append(f"| {optimizer} | {arm} | " + " | ".join(cells) + " |")
