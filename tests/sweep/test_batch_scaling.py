@@ -156,3 +156,16 @@ def test_an_unknown_size_ends_with_one_line(tmp_path):
         f"lambjax.sweep: error: --config={CONFIG}:huge: size 'huge'; valid: cpu, base, large, smoke"
     )
     assert not (tmp_path / "x").exists()
+
+
+def test_a_labelled_trial_is_named_by_its_labels():
+    config = config_lib.base_config()
+    trials = spec.trials(
+        config,
+        [spec.labelled({"seed": 3, "optimizer.b2": 0.98}, optimizer="lamb", batch=64), {"seed": 1}],
+    )
+    assert [t.name for t in trials] == ["optimizer=lamb,batch=64", "seed=1"]
+    assert trials[0].labels == {"optimizer": "lamb", "batch": 64}
+    assert trials[0].flags() == ["--config.seed=3", "--config.optimizer.b2=0.98"]
+    with pytest.raises(spec.SweepError, match="needs at least one label"):
+        spec.labelled({"seed": 1})
