@@ -63,6 +63,7 @@ def points(directory: str, trials: dict, target: float) -> list[dict]:
                 "steps": steps_to_target(curve, target),
                 "final": curve[-1][1] if curve else None,
                 "done": trial.get("status") == "finished",
+                "status": trial.get("status", ""),
                 "curve": curve,
             }
         )
@@ -178,6 +179,9 @@ def arm_table(chosen: dict, batch_sizes: list[int], multipliers=None) -> str:
             if p is None:
                 cells.append("")
                 continue
+            if not p["done"] and not p["status"].startswith("failed"):
+                cells.append(f"({p['status'] or 'not run'})")
+                continue
             steps = "-" if p["steps"] is None else str(p["steps"])
             final = "failed" if not p["done"] else f"{p['final']:.3f}"
             edge = ""
@@ -232,6 +236,17 @@ def noise_table(every: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def finished_or_failed(point: dict) -> bool:
+    return point["done"] or point["status"].startswith("failed")
+
+
+def batch_axis(axis, batch_sizes) -> None:
+    """Log2 batch axis labelled with the batch sizes themselves."""
+    axis.set_xscale("log", base=2)
+    axis.set_xticks(batch_sizes, labels=[f"{b:,}" for b in batch_sizes])
+    axis.minorticks_off()
+
+
 def plot_steps(directory, chosen, batch_sizes, samples, target) -> None:
     from lambjax.sweep import report
 
@@ -266,12 +281,17 @@ def plot_steps(directory, chosen, batch_sizes, samples, target) -> None:
             label=f"{optimizer}, {arm}",
             markerfacecolor=color if arm == "tuned" else "white",
         )
-        missed = [b for b in batch_sizes if b in by_batch and not by_batch[b]["steps"]]
+        missed = [
+            b
+            for b in batch_sizes
+            if b in by_batch and not by_batch[b]["steps"] and finished_or_failed(by_batch[b])
+        ]
         axis.plot(
             missed, [samples / b for b in missed], "x", color=color, markersize=9, linestyle=""
         )
-    axis.set_xscale("log", base=2)
+    batch_axis(axis, batch_sizes)
     axis.set_yscale("log", base=2)
+    axis.yaxis.set_major_formatter(plt.FuncFormatter(lambda y, _: f"{y:g}"))
     axis.set_xlabel("batch size (sequences)")
     axis.set_ylabel(f"steps to eval MLM loss <= {target}")
     axis.set_title("Steps to target (x: not reached within the budget)")
@@ -299,7 +319,7 @@ def plot_finals(directory, chosen, batch_sizes) -> None:
             markerfacecolor=color if arm == "tuned" else "white",
             label=f"{optimizer}, {arm}",
         )
-    axis.set_xscale("log", base=2)
+    batch_axis(axis, batch_sizes)
     axis.set_xlabel("batch size (sequences)")
     axis.set_ylabel("final eval MLM loss")
     axis.set_title("Final held-out loss at the same sample budget")
@@ -326,7 +346,7 @@ def plot_learning_rates(directory, chosen, batch_sizes) -> None:
             markerfacecolor=color if arm == "tuned" else "white",
             label=f"{optimizer}, {arm}",
         )
-    axis.set_xscale("log", base=2)
+    batch_axis(axis, batch_sizes)
     axis.set_yscale("log")
     axis.set_xlabel("batch size (sequences)")
     axis.set_ylabel("peak learning rate")

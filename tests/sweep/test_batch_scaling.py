@@ -61,6 +61,7 @@ def point(optimizer, batch, lr_x, steps, final, seed=0):
         steps=steps,
         final=final,
         done=True,
+        status="finished",
         learning_rate=1e-3 * lr_x,
         name="",
         curve=[],
