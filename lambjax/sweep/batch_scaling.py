@@ -26,7 +26,7 @@ import math
 
 from etils import epath
 
-from lambjax.train.metrics import read_jsonl
+from lambjax.train.metrics import format_duration, read_jsonl
 
 LOSS = "eval/mlm_loss"
 ARMS = ("sqrt rule", "tuned")
@@ -165,6 +165,13 @@ def study_report(directory: str, trials: dict, study: dict) -> str:
     plot_steps(directory, chosen, batch_sizes, samples, target)
     plot_finals(directory, chosen, batch_sizes)
     plot_learning_rates(directory, chosen, batch_sizes)
+    seconds = sum(t.get("wall_time_s") or 0.0 for t in trials.values())
+    done = sum(t.get("status") == "finished" for t in trials.values())
+    lines.append(
+        f"{done} of {len(trials)} trials finished; their wall times add up to "
+        f"{format_duration(seconds)} (trials that ran side by side overlap)."
+    )
+    lines.append("")
     lines.append("Plots: steps_to_target.png, final_loss.png, learning_rates.png")
     return "\n".join(lines)
 
