@@ -111,7 +111,7 @@ def report(args: list[str]) -> None:
         cli.fail(PROGRAM, "report takes one directory: python -m lambjax.sweep report DIR")
     try:
         print(report_text(args[0]))
-    except FileNotFoundError as error:
+    except (FileNotFoundError, ValueError) as error:  # no sweep there; an unknown study
         cli.fail(PROGRAM, str(error))
 
 
