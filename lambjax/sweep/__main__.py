@@ -59,12 +59,15 @@ def main(argv):
         trials = spec.trials(_CONFIG.value, module.get_sweep(arg) if arg else module.get_sweep())
     except (spec.SweepError, ValueError) as error:
         cli.fail(PROGRAM, f"--config={config_spec}: {error}")
+    study = None
+    if hasattr(module, "get_study"):
+        study = module.get_study(arg) if arg else module.get_study()
     base_flags = cli.config_overrides(sys.argv[1:])
     try:
         storage.check_reachable(_WORKDIR.value, "--workdir")
     except storage.StorageError as error:
         cli.fail(PROGRAM, str(error))
-    sweep = runner.Sweep(_CONFIG.value, config_spec, _WORKDIR.value, trials, base_flags)
+    sweep = runner.Sweep(_CONFIG.value, config_spec, _WORKDIR.value, trials, base_flags, study)
     if _TRIAL.value is not None:
         trial = pick(trials, _TRIAL.value)
         os.execv(sys.executable, sweep.command(trial))
@@ -108,7 +111,7 @@ def report(args: list[str]) -> None:
         cli.fail(PROGRAM, "report takes one directory: python -m lambjax.sweep report DIR")
     try:
         print(report_text(args[0]))
-    except FileNotFoundError as error:
+    except (FileNotFoundError, ValueError) as error:  # no sweep there; an unknown study
         cli.fail(PROGRAM, str(error))
 
 

@@ -50,9 +50,24 @@ def trials_of(directory: str) -> dict[str, dict]:
     raise FileNotFoundError(f"{directory} holds neither sweep.json nor metrics.jsonl")
 
 
+def study_of(directory: str) -> dict | None:
+    """The config file's `get_study(arg)` the sweep kept in sweep.json, if any."""
+    sweep_file = epath.Path(directory) / "sweep.json"
+    if not sweep_file.exists():
+        return None
+    return json.loads(sweep_file.read_text()).get("study")
+
+
+def columns(trial: dict) -> dict:
+    """What a trial's row shows: its labels where it has them, else its overrides."""
+    return trial.get("labels") or trial["overrides"]
+
+
 def table(trials: dict[str, dict]) -> str:
     """A Markdown table, one row per trial, best final MLM accuracy first."""
-    fields = sorted({key for t in trials.values() for key in t["overrides"]})
+    fields = list(dict.fromkeys(key for t in trials.values() for key in columns(t)))
+    if not any(t.get("labels") for t in trials.values()):
+        fields = sorted(fields)
     header = [
         *fields,
         "final acc",
@@ -69,7 +84,7 @@ def table(trials: dict[str, dict]) -> str:
         final, best = trial["final"], trial["best"]
         rows.append(
             [
-                *(str(trial["overrides"].get(f, "")) for f in fields),
+                *(str(columns(trial).get(f, "")) for f in fields),
                 _percent(final.get(ACCURACY)),
                 _percent(best.get(ACCURACY)),
                 _number(final.get(LOSS)),
@@ -89,14 +104,28 @@ def write_report(directory: str) -> str:
     trials = trials_of(directory)
     text = table(trials)
     name = os.path.basename(os.path.normpath(directory))
-    (epath.Path(directory) / "report.md").write_text(f"# Sweep {name}\n\n{text}\n")
     plot_curves(directory, trials)
     plot_finals(directory, trials)
+    study = study_of(directory)
+    if study is not None:
+        text = f"{study_answer(directory, trials, study)}\n\n## Every trial\n\n{text}"
+    (epath.Path(directory) / "report.md").write_text(f"# Sweep {name}\n\n{text}\n")
     return text
 
 
+def study_answer(directory: str, trials: dict, study: dict) -> str:
+    """The section that answers a study's question (its `kind`)."""
+    if study.get("kind") == "batch_scaling":
+        from lambjax.sweep import batch_scaling
+
+        return batch_scaling.study_report(directory, trials, study)
+    raise ValueError(
+        f"sweep.json names a study of kind {study.get('kind')!r}; known: batch_scaling"
+    )
+
+
 def plot_curves(directory: str, trials: dict) -> None:
-    plt = _pyplot()
+    plt = pyplot()
     figure, axes = plt.subplots(1, 2, figsize=(11, 4))
     for name, _ in trials.items():
         path = epath.Path(directory) / name / "metrics.jsonl"
@@ -116,13 +145,13 @@ def plot_curves(directory: str, trials: dict) -> None:
 
 
 def plot_finals(directory: str, trials: dict) -> None:
-    plt = _pyplot()
-    fields = sorted({key for t in trials.values() for key in t["overrides"]})
+    plt = pyplot()
+    fields = sorted({key for t in trials.values() for key in columns(t)})
     for field in fields:
         points = [
-            (t["overrides"][field], t["final"][ACCURACY], t["final"][LOSS])
+            (columns(t)[field], t["final"][ACCURACY], t["final"][LOSS])
             for t in trials.values()
-            if field in t["overrides"] and t["final"]
+            if field in columns(t) and t["final"]
         ]
         if not points or not all(isinstance(p[0], int | float) for p in points):
             continue
@@ -143,11 +172,11 @@ def save(figure, directory: str, name: str) -> None:
     """A PNG in `directory` (local or a bucket)."""
     buffer = io.BytesIO()
     figure.savefig(buffer, format="png", dpi=100)
-    _pyplot().close(figure)
+    pyplot().close(figure)
     (epath.Path(directory) / name).write_bytes(buffer.getvalue())
 
 
-def _pyplot():
+def pyplot():
     import matplotlib
 
     matplotlib.use("Agg")

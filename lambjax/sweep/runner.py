@@ -1,7 +1,8 @@
 """Running a sweep's trials, and keeping track of them.
 
-  DIR/sweep.json   the sweep: its config, and per trial its overrides, status, wall time and
-                   final and best evaluation metrics (rewritten as trials start and end)
+  DIR/sweep.json   the sweep: its config (and study, where the config file has one), and per
+                   trial its overrides, labels, status, wall time and final and best
+                   evaluation metrics (rewritten as trials start and end)
   DIR/NAME/        trial NAME's workdir (lambjax.main's), with its output in log.txt
 
 Where trials run (`launcher`):
@@ -71,13 +72,25 @@ class Sweep:
     """The trials of one sweep directory and their bookkeeping in sweep.json."""
 
     def __init__(
-        self, config, config_spec: str, sweep_dir: str, trials: list[Trial], base_flags=()
+        self,
+        config,
+        config_spec: str,
+        sweep_dir: str,
+        trials: list[Trial],
+        base_flags=(),
+        study: dict | None = None,
     ):
-        """`config` has the sweep's own `base_flags` (`--config.F=V`) applied already."""
+        """`config` has the sweep's own `base_flags` (`--config.F=V`) applied already;
+        `study` is the config file's `get_study(arg)`, kept in sweep.json for the report."""
         self.config, self.config_spec, self.base_flags = config, config_spec, list(base_flags)
-        self.dir, self.trials = storage.resolve(sweep_dir), trials
+        self.dir, self.trials, self.study = storage.resolve(sweep_dir), trials, study
         self.records = {
-            t.name: {"overrides": t.overrides, "status": "pending", "wall_time_s": 0.0}
+            t.name: {
+                "overrides": t.overrides,
+                **({"labels": t.labels} if t.labels else {}),
+                "status": "pending",
+                "wall_time_s": 0.0,
+            }
             for t in trials
         }
         previous = self.read()
@@ -98,6 +111,8 @@ class Sweep:
         for trial in self.trials:
             self.records[trial.name].update(report.summary(self.workdir(trial)))
         content = {"config": self.config_spec, "flags": self.base_flags, "trials": self.records}
+        if self.study is not None:
+            content["study"] = self.study
         directory = epath.Path(self.dir)
         directory.mkdir(parents=True, exist_ok=True)
         storage.write_text(directory / SWEEP_FILE, json.dumps(content, indent=2))

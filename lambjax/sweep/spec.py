@@ -12,9 +12,11 @@ override dicts (dotted field names, as on the command line):
 `product` makes the grid of its arguments; `zipped` pairs values up (one trial per position);
 a list of dicts is concatenated by `+`. Each trial is named after its overrides
 (`phase1.learning_rate=0.004,phase1.warmup_fraction=0.1`), which is its folder in the
-sweep's directory. `trials(config, sweep)` validates the sweep against the config before any
-trial runs: every field exists, every value has the field's type, the sweep is not empty, no
-two trials are the same.
+sweep's directory; `labelled(overrides, **labels)` names it by labels instead
+(`optimizer=lamb,batch=64`), for trials whose overrides are many or derived, and the labels
+are kept in sweep.json for the report to group trials by. `trials(config, sweep)` validates
+the sweep against the config before any trial runs: every field exists, every value has the
+field's type, the sweep is not empty, no two trials are the same.
 """
 
 import dataclasses
@@ -31,6 +33,7 @@ class SweepError(ValueError):
 class Trial:
     name: str
     overrides: dict
+    labels: dict = dataclasses.field(default_factory=dict)
 
     def flags(self) -> list[str]:
         """The overrides as `lambjax.main` flags."""
@@ -58,6 +61,21 @@ def zipped(fields: dict) -> list[dict]:
     return [dict(zip(fields, values, strict=True)) for values in zip(*fields.values(), strict=True)]
 
 
+class Labelled(dict):
+    """A trial's overrides with the labels that name it (see `labelled`)."""
+
+    def __init__(self, overrides: dict, labels: dict):
+        super().__init__(overrides)
+        self.labels = dict(labels)
+
+
+def labelled(overrides: dict, **labels) -> Labelled:
+    """The trial `overrides`, named `k1=v1,k2=v2` after `labels` rather than its overrides."""
+    if not labels:
+        raise SweepError(f"labelled() needs at least one label for {overrides!r}")
+    return Labelled(overrides, labels)
+
+
 def format_value(value) -> str:
     if isinstance(value, bool):
         return "true" if value else "false"
@@ -67,10 +85,10 @@ def format_value(value) -> str:
 
 
 def trial_name(overrides: dict) -> str:
-    """`phase1.learning_rate=0.004,warmup=...`: the fields without `phases.`, made safe as
-    one folder name."""
+    """`phase1.learning_rate=0.004,warmup=...`: the fields without `phases.` (or the labels
+    of a `labelled` trial), made safe as one folder name."""
     parts = []
-    for key, value in overrides.items():
+    for key, value in getattr(overrides, "labels", overrides).items():
         field = key.removeprefix("phases.")
         parts.append(f"{field}={format_value(value)}")
     name = ",".join(parts) or "default"
@@ -87,7 +105,7 @@ def trials(config: ml_collections.ConfigDict, sweep: list[dict]) -> list[Trial]:
             raise SweepError(f"trial {index}: {overrides!r} is not a dict of field -> value")
         for key, value in overrides.items():
             check_field(config, key, value, index)
-        trial = Trial(trial_name(overrides), dict(overrides))
+        trial = Trial(trial_name(overrides), dict(overrides), getattr(overrides, "labels", {}))
         if trial.name in seen:
             raise SweepError(
                 f"trials {seen[trial.name]} and {index} are the same ({trial.name}): remove one"
