@@ -118,6 +118,7 @@ def trainer(flags):
             f.write(json.dumps(slurm) + "\n")
     checkpoint = os.path.join(workdir, "checkpoint")
     step = int(open(checkpoint).read()) if os.path.exists(checkpoint) else 0
+    join_the_other_tasks(workdir, worker)
     if step:
         print(f"Phase phase1: resuming from its checkpoint at step {step}", flush=True)
     stop = []
@@ -141,6 +142,24 @@ def trainer(flags):
         save(step)
     print("Summary: phase1 finished", flush=True)
     return 0
+
+
+def join_the_other_tasks(workdir: str, worker: int) -> None:
+    """The real trainer's tasks take no step before every task has joined JAX's distributed
+    runtime (`jax.distributed.initialize` blocks until all processes connect), so each
+    task's resume step is read before any task moves on; under SLURM the stand-ins wait for
+    each other the same way, through files (one set per restart of the job)."""
+    tasks = int(os.environ.get("SLURM_NTASKS", "1"))
+    if tasks == 1:
+        return
+    prefix = os.path.join(workdir, f"joined-{os.environ.get('SLURM_RESTART_COUNT', '0')}-")
+    open(f"{prefix}{worker}", "w").close()
+    deadline = time.time() + 120
+    while not all(os.path.exists(f"{prefix}{i}") for i in range(tasks)):
+        if time.time() > deadline:
+            print("python (fake venv): the other tasks never joined", file=sys.stderr)
+            sys.exit(1)
+        time.sleep(0.01)
 
 
 TOOLS = {"python3": python3, "curl": curl, "uv": uv, "venv-python": venv_python}
