@@ -12,6 +12,7 @@ import pytest
 from lambjax import cli
 from lambjax.sweep import batch_scaling, spec
 from lambjax.train import config as config_lib
+from lambjax.train import plan
 from lambjax.train.metrics import read_jsonl
 from tests.helpers import REPO, run
 
@@ -49,7 +50,7 @@ def test_every_trial_sees_the_same_samples_and_the_sqrt_rule(size):
         if size != "cpu":  # the pod sizes fit 256 devices as they are
             trial_config = config.copy_and_resolve_references()
             trial_config.update_from_flattened_dict(o)
-            config_lib.validate(trial_config, num_devices=256)
+            plan.resolve(trial_config, vocab_size=trial_config.data.vocab_size, num_devices=256)
 
 
 def point(optimizer, batch, lr_x, steps, final, seed=0):
