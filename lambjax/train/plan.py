@@ -18,6 +18,7 @@ value and what would be valid.
 import dataclasses
 from collections.abc import Mapping
 
+import jax
 import ml_collections
 
 from lambjax import sharding
@@ -317,6 +318,8 @@ def _model(config, name: str, vocab_size: int) -> bert.BertConfig:
     overrides.setdefault("vocab_size", vocab_size)
     if config.phases[name].num_layers is not None:
         overrides["num_layers"] = config.phases[name].num_layers
+    if jax.default_backend() == "gpu":  # unrolled ran faster on an H100 (docs/results.md)
+        overrides.setdefault("scan_layers", False)
     try:  # the attention form decided once, for this platform
         return attention.resolve(bert.BertConfig.preset(config.model.preset, **overrides))
     except (TypeError, ValueError) as e:  # no such field, or values BertConfig rejects
