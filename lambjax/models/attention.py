@@ -125,7 +125,8 @@ def resolve(config, platform: str | None = None):
         config.attention, config.attention_dropout, config.dtype, config.head_dim, platform
     )
     if config.attention == "auto":
-        logging.info("attention='auto' -> %r: %s", chosen, why)
+        # Once per process: every phase resolves the same model fields.
+        logging.log_first_n(logging.INFO, "attention='auto' -> %r: %s", 1, chosen, why)
     return dataclasses.replace(config, attention=chosen)
 
 
