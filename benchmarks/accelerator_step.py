@@ -3,7 +3,7 @@ line per configuration, with the peer a JAX user would pick measured in the same
 
   python benchmarks/accelerator_step.py                       # BERT-large phase 1, LAMB
   python benchmarks/accelerator_step.py --presets base,large --phases 1,2 \\
-      --optimizers lamb,lans,adamw --attention xla,auto --layers scan,unrolled \\
+      --optimizers lamb,lans,adamw --attention xla,auto --layers scan,unrolled --remat off \\
       --batch-per-device 64,128 --grad-accum 1,4 --peer --out steps.jsonl
 
 Every combination of the comma-separated lists runs: one jitted step as the trainer runs
@@ -50,6 +50,7 @@ from lambjax.train.throughput import peak_flops_per_device, train_step_flops
 
 PHASES = {"1": (128, 20, 64), "2": (512, 80, 8)}  # sequence, predictions, recipe micro-batch
 LAYERS = {"scan": True, "unrolled": False}
+REMAT = {"off": False, "on": True}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,6 +60,7 @@ class Case:
     optimizer: str
     attention: str
     layers: str
+    remat: str
     batch_per_device: int
     grad_accum: int
 
@@ -69,6 +71,7 @@ def model_config(case: Case, args) -> bert.BertConfig:
         case.preset,
         vocab_size=args.vocab_size,
         scan_layers=LAYERS[case.layers],
+        remat=REMAT[case.remat],
         hidden_dropout=args.hidden_dropout,
         attention_dropout=dropout,
         attention=case.attention,
@@ -207,6 +210,7 @@ def main(argv=None):
     parser.add_argument("--optimizers", default="lamb")
     parser.add_argument("--attention", default="xla,auto")
     parser.add_argument("--layers", default="unrolled")
+    parser.add_argument("--remat", default="off")
     parser.add_argument("--batch-per-device", default="", help="default: the recipe's")
     parser.add_argument("--grad-accum", default="1")
     parser.add_argument("--steps", type=int, default=20)
@@ -223,6 +227,7 @@ def main(argv=None):
     optimizers = parse_list(parser, "--optimizers", args.optimizers, OPTIMIZERS)
     forms = parse_list(parser, "--attention", args.attention, attention.FORMS)
     layers = parse_list(parser, "--layers", args.layers, LAYERS)
+    remats = parse_list(parser, "--remat", args.remat, REMAT)
     accums = parse_list(parser, "--grad-accum", args.grad_accum, kind=int)
     batches = (
         parse_list(parser, "--batch-per-device", args.batch_per_device, kind=int)
@@ -262,6 +267,7 @@ def main(argv=None):
                     optimizer="optax.lamb",
                     attention="xla",
                     layers="unrolled",
+                    remat="off",
                     grad_accum=1,
                 )
                 record = measurement(None, fields, batch, flops, seconds, peak)
@@ -269,10 +275,10 @@ def main(argv=None):
                 record["attention_dropout"] = args.attention_dropout
                 emit(record, out)
                 peer = record["sequences_per_s"]
-            for optimizer, form, layer, accum in itertools.product(
-                optimizers, forms, layers, accums
+            for optimizer, form, layer, remat, accum in itertools.product(
+                optimizers, forms, layers, remats, accums
             ):
-                case = Case(preset, phase, optimizer, form, layer, batch, accum)
+                case = Case(preset, phase, optimizer, form, layer, remat, batch, accum)
                 config = attention.resolve(model_config(case, args), platform)
                 seconds = lambjax_seconds(case, config, args)
                 sequences = batch * jax.device_count() * accum
