@@ -57,7 +57,7 @@ def start_run(argv: list[str]) -> None:
     JAX's backends must not start before this."""
     from absl import app
 
-    from lambjax import distributed, host_memory
+    from lambjax import distributed, host_memory, xla_flags
 
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
@@ -65,6 +65,7 @@ def start_run(argv: list[str]) -> None:
     if distributed.platform() == "cpu":
         # Before JAX starts its CPU client: XLA:CPU reallocates every temporary per step.
         host_memory.retain_freed_memory()
+    xla_flags.apply(distributed.platform())  # before JAX's backend reads XLA_FLAGS
     values = flags.FLAGS
     distributed.initialize(values.coordinator_address, values.num_processes, values.process_id)
 

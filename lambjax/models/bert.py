@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
-from lambjax.models import matmul, standardization
+from lambjax.models import attention, matmul, standardization
 from lambjax.precision import parse_accumulation
 
 PRESETS = {
@@ -61,6 +61,8 @@ class BertConfig:
     # likewise bfloat16 (lambjax.precision). The embeddings and the heads keep the platform's
     # dot, as Wang et al. keep the first and last layers in higher precision.
     matmul_accumulation: str = "float32"
+    # "auto", "xla", "cudnn" or "splash": the attention kernel (lambjax.models.attention).
+    attention: str = "auto"
 
     def __post_init__(self):
         for name in (
@@ -94,6 +96,10 @@ class BertConfig:
                 raise ValueError(
                     f"BertConfig.{name}={getattr(self, name)!r}; valid: float32, bfloat16, float16"
                 )
+        try:
+            attention.check(self.attention, self.attention_dropout, self.dtype, self.head_dim)
+        except ValueError as e:
+            raise ValueError(f"BertConfig.{e}") from None
         try:
             parse_accumulation(self.matmul_accumulation)
         except ValueError as e:
@@ -200,21 +206,16 @@ class Attention(nn.Module):
     config: BertConfig
 
     @nn.compact
-    def __call__(self, x, attention_bias, deterministic: bool):
+    def __call__(self, x, mask: attention.AttentionMask, deterministic: bool):
         c = self.config
         heads = (c.num_heads, c.head_dim)
         dot_general = matmul.encoder_dot_general(c.matmul_accumulation)
         q = dense(c, heads, ("embed", "heads", "kv"), "query", dot_general=dot_general)(x)
         k = dense(c, heads, ("embed", "heads", "kv"), "key", dot_general=dot_general)(x)
         v = dense(c, heads, ("embed", "heads", "kv"), "value", dot_general=dot_general)(x)
-        logits = matmul.attention_einsum(c.matmul_accumulation, "bqhd,bkhd->bhqk", q, k).astype(
-            jnp.float32
-        )
-        logits = logits / jnp.sqrt(jnp.float32(c.head_dim)) + attention_bias
-        weights = jax.nn.softmax(logits, axis=-1)
-        weights = nn.Dropout(c.attention_dropout)(weights, deterministic=deterministic)
-        out = matmul.attention_einsum(
-            c.matmul_accumulation, "bhqk,bkhd->bqhd", weights.astype(v.dtype), v
+        dropout = nn.Dropout(c.attention_dropout)
+        out = attention.attend(
+            c, q, k, v, mask, dropout=lambda w: dropout(w, deterministic=deterministic)
         )
         out = dense(
             c,
@@ -317,13 +318,15 @@ def _boxed_parts(config: BertConfig, rng):
     """Each part's params with their logical-partitioning boxes (one layer unstacked)."""
     ids, h, word, positions = _example_inputs(config)
     keys = jax.random.split(rng, 4)
-    bias = jnp.zeros((1, 1, 1, ids.shape[1]), jnp.float32)
+    bias = attention.AttentionMask.from_input_mask(jnp.ones(ids.shape, jnp.int32))
     parts = {
         "embeddings": Embeddings(config).init(keys[0], ids, ids, True)["params"],
         "heads": Heads(config).init(keys[2], h, positions, word)["params"],
     }
     layer_keys = jax.random.split(keys[1], config.num_layers)
-    layer_init = lambda k: Layer(config).init(k, h, bias, 1.0, True)["params"]  # noqa: E731
+    # The einsum form: the parameters do not depend on the kernel, and cuDNN's does not vmap.
+    layer = Layer(dataclasses.replace(config, attention="xla"))
+    layer_init = lambda k: layer.init(k, h, bias, 1.0, True)["params"]  # noqa: E731
     parts["layers"] = jax.vmap(layer_init)(layer_keys)
     if config.layer_norm == "pre":
         parts["final_layer_norm"] = FinalNorm(config).init(keys[3], h)["params"]
@@ -358,10 +361,10 @@ def param_logical_axes(config: BertConfig) -> dict:
 # Forward
 
 
-def attention_bias(input_mask):
-    """[B, 1, 1, S] float32 additive attention bias: 0 on tokens (`input_mask` > 0), -1e9 on
-    padding, so no query attends to a padded key."""
-    return jnp.where(input_mask[:, None, None, :] > 0, 0.0, -1e9).astype(jnp.float32)
+def attention_bias(input_mask) -> attention.AttentionMask:
+    """Which keys each query attends to: every token (`input_mask` > 0) and no padded key
+    (lambjax.models.attention.AttentionMask, which each attention form reads its own way)."""
+    return attention.AttentionMask.from_input_mask(input_mask)
 
 
 def run_layers(

@@ -126,7 +126,8 @@ def base_config() -> ml_collections.ConfigDict:
         {
             "preset": "tiny",
             # Fields of BertConfig to override; vocab_size defaults to the data's vocab.
-            "overrides": ml_collections.ConfigDict({"dtype": "bfloat16"}),
+            # `attention` is here so that --config.model.overrides.attention=... can set it.
+            "overrides": ml_collections.ConfigDict({"dtype": "bfloat16", "attention": "auto"}),
         }
     )
     config.data = data_lib.default_config()

@@ -18,10 +18,11 @@ value and what would be valid.
 import dataclasses
 from collections.abc import Mapping
 
+import jax
 import ml_collections
 
 from lambjax import sharding
-from lambjax.models import bert, standardization
+from lambjax.models import attention, bert, standardization
 from lambjax.train import layer_drop, ouroboros, stacking
 from lambjax.train.config import (
     OPTIMIZER_STATE_AT_PHASE_START,
@@ -324,8 +325,10 @@ def _model(config, name: str, vocab_size: int) -> bert.BertConfig:
     overrides.setdefault("vocab_size", vocab_size)
     if config.phases[name].num_layers is not None:
         overrides["num_layers"] = config.phases[name].num_layers
-    try:
-        return bert.BertConfig.preset(config.model.preset, **overrides)
+    if jax.default_backend() == "gpu":  # unrolled ran faster on an H100 (docs/results.md)
+        overrides.setdefault("scan_layers", False)
+    try:  # the attention form decided once, for this platform
+        return attention.resolve(bert.BertConfig.preset(config.model.preset, **overrides))
     except (TypeError, ValueError) as e:  # no such field, or values BertConfig rejects
         raise ConfigError(f"config.model (phase {name!r}): {e}") from e
 

@@ -99,8 +99,8 @@ def test_pld_recipe_uses_preln_and_the_papers_settings():
 
 
 def test_unknown_variant_names_the_valid_ones():
-    with pytest.raises(config_lib.ConfigError, match=r"\['fast'\].*mslt.*pld.*runlocal"):
-        load(os.path.join(CONFIG_DIR, "default.py"), "runlocal,fast")
+    with pytest.raises(config_lib.ConfigError, match=r"\['turbo'\].*mslt.*pld.*runlocal"):
+        load(os.path.join(CONFIG_DIR, "default.py"), "runlocal,turbo")
     with pytest.raises(config_lib.ConfigError, match=r"'huge'.*base.*large"):
         load(os.path.join(CONFIG_DIR, "bert_lamb.py"), "huge,mslt")
     with pytest.raises(config_lib.ConfigError, match=r"\['base', 'large'\].*\(one\)"):
@@ -302,3 +302,14 @@ def test_micro_batch_per_device_must_be_positive():
     config = default(micro_batch_per_device=0)
     with pytest.raises(config_lib.ConfigError, match="micro_batch_per_device=0 must be a pos"):
         validate(config, num_devices=8)
+
+
+def test_fast_variant_turns_attention_dropout_off_and_explicit_kernels_need_it_off():
+    plan = validate(load(os.path.join(CONFIG_DIR, "bert_lamb.py"), "large,fast"), 8)
+    for phase in plan.phases:
+        assert phase.model.attention_dropout == 0.0 and phase.model.hidden_dropout == 0.1
+        assert phase.model.attention == "xla"  # 'auto' decided: no fused kernel on CPU
+    config = load(os.path.join(CONFIG_DIR, "bert_lamb.py"), "large")
+    config.model.overrides.attention = "cudnn"
+    with pytest.raises(config_lib.ConfigError, match="attention='cudnn' has no dropout"):
+        validate(config, 8)

@@ -1,0 +1,190 @@
+"""The attention forms against the einsum form (forward and gradients, with padding and
+packing, at sequence 128 and 512), the choice of form per platform, and the train step
+lowered for CUDA (cuDNN) and TPU (splash) on this CPU host."""
+
+import functools
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax._src.cudnn import fused_attention_stablehlo
+
+from lambjax.models import attention, bert
+from lambjax.train import step as step_lib
+from lambjax.train.config import optimizer_config
+from lambjax.train.optimizer import make_optimizer
+from lambjax.train.state import TrainState
+from tests.helpers import random_batch
+
+HEADS, HEAD_DIM = 2, 16
+
+
+def qkv(seq, batch=2, seed=0):
+    keys = jax.random.split(jax.random.key(seed), 3)
+    shape = (batch, seq, HEADS, HEAD_DIM)
+    return tuple(jax.random.normal(k, shape, jnp.float32) for k in keys)
+
+
+def right_padded(seq, lengths):
+    """The input mask of rows with `lengths` real tokens first."""
+    return (np.arange(seq)[None] < np.asarray(lengths)[:, None]).astype(np.int32)
+
+
+def packed_segments(seq, example_lengths):
+    """Segment ids of rows packing examples of the given lengths (1, 2, ...; 0 = padding)."""
+    rows = []
+    for lengths in example_lengths:
+        row = np.concatenate([np.full(n, i + 1) for i, n in enumerate(lengths)])
+        rows.append(np.pad(row, (0, seq - len(row))))
+    return np.stack(rows).astype(np.int32)
+
+
+def einsum_attention(q, k, v, mask):
+    return attention.xla_attention(q, k, v, mask, dropout=lambda w: w)
+
+
+def cudnn_semantics(q, k, v, mask):
+    return attention.cudnn_attention(q, k, v, mask, implementation="xla")
+
+
+def splash_interpreted(q, k, v, mask):
+    return attention.splash_attention(q, k, v, mask, interpret=True)
+
+
+def value_and_grads(form, q, k, v, mask, real):
+    """The outputs on real tokens and the gradients of a fixed random projection of them."""
+    cotangent = jax.random.normal(jax.random.key(9), q.shape)
+
+    def loss(q, k, v):
+        out = form(q, k, v, mask)
+        return jnp.sum(out * cotangent * real[:, :, None, None]), out
+
+    value_and_grad = jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)
+    (_, out), grads = jax.jit(value_and_grad)(q, k, v)
+    return out * real[:, :, None, None], grads
+
+
+@pytest.mark.parametrize("form", [cudnn_semantics, splash_interpreted], ids=["cudnn", "splash"])
+@pytest.mark.parametrize("seq,lengths", [(128, [128, 77]), (512, [375, 512])])
+def test_padded_attention_matches_einsum(form, seq, lengths):
+    q, k, v = qkv(seq)
+    input_mask = right_padded(seq, lengths)
+    mask = attention.AttentionMask.from_input_mask(jnp.asarray(input_mask))
+    real = jnp.asarray(input_mask, jnp.float32)
+    want_out, want_grads = value_and_grads(einsum_attention, q, k, v, mask, real)
+    out, grads = value_and_grads(form, q, k, v, mask, real)
+    np.testing.assert_allclose(out, want_out, atol=2e-5)
+    for got, want in zip(grads, want_grads, strict=True):
+        np.testing.assert_allclose(got, want, atol=2e-5)
+
+
+@pytest.mark.parametrize(
+    "form", [einsum_attention, cudnn_semantics, splash_interpreted], ids=["xla", "cudnn", "splash"]
+)
+def test_packed_rows_attend_within_each_example(form):
+    """A row packing examples of 50, 40 and 30 tokens gives each example the attention it
+    gets alone in its own right-padded row."""
+    seq, lengths = 128, [50, 40, 30]
+    q, k, v = qkv(seq, batch=1)
+    segments = packed_segments(seq, [lengths])
+    mask = attention.AttentionMask(jnp.asarray(segments), packed=True)
+    out = jax.jit(form)(q, k, v, mask)[0]
+    start = 0
+    for n in lengths:
+        alone = [x[:, start : start + n] for x in (q, k, v)]
+        alone = [jnp.pad(x, ((0, 0), (0, seq - n), (0, 0), (0, 0))) for x in alone]
+        single = attention.AttentionMask.from_input_mask(jnp.asarray(right_padded(seq, [n])))
+        want = einsum_attention(*alone, single)[0, :n]
+        np.testing.assert_allclose(out[start : start + n], want, atol=2e-5)
+        start += n
+
+
+def test_auto_picks_the_platform_kernel_without_attention_dropout():
+    def choose(dropout, platform, dtype="bfloat16", head_dim=64):
+        return attention.choose("auto", dropout, dtype, head_dim, platform)[0]
+
+    assert choose(0.0, "gpu") == "cudnn"
+    assert choose(0.0, "tpu") == "splash"
+    assert choose(0.0, "cpu") == "xla"
+    assert choose(0.1, "gpu") == "xla"
+    assert choose(0.1, "tpu") == "xla"
+    assert choose(0.0, "gpu", dtype="float32") == "xla"  # cuDNN computes in 16 bits
+    assert choose(0.0, "gpu", head_dim=160) == "xla"
+    # On this host the default stays the einsum form.
+    assert attention.resolve(bert.BertConfig(attention_dropout=0.0)).attention == "xla"
+
+
+def test_kernels_refuse_attention_dropout_and_other_platforms():
+    with pytest.raises(ValueError, match=r"attention='cudnn' has no dropout.*=0.1"):
+        bert.BertConfig(attention="cudnn", attention_dropout=0.1)
+    with pytest.raises(ValueError, match=r"attention='splash' has no dropout.*=0.1"):
+        bert.BertConfig(attention="splash", attention_dropout=0.1)
+    with pytest.raises(ValueError, match=r"attention='flash'; valid: auto, xla, cudnn, splash"):
+        bert.BertConfig(attention="flash")
+    with pytest.raises(ValueError, match="bfloat16 or float16, not dtype='float32'"):
+        bert.BertConfig(attention="cudnn", attention_dropout=0.0, dtype="float32")
+    config = bert.BertConfig(attention="splash", attention_dropout=0.0)
+    with pytest.raises(ValueError, match="runs on tpu only, this is cpu"):
+        attention.resolve(config, "cpu")
+
+
+# ----------------------------------------------------------------------------------------
+# The train step lowered for the accelerators
+
+
+def lowered_train_step(config, platform, seq=128):
+    optimizer = make_optimizer(optimizer_config("lamb"), optax.constant_schedule(1e-3))
+    state = jax.eval_shape(
+        lambda key: TrainState.create(bert.init_params(config, key), optimizer),
+        jax.random.key(0),
+    )
+    batch = jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), random_batch(batch=4, seq=seq)
+    )
+    step = functools.partial(
+        step_lib.train_step,
+        model_config=config,
+        optimizer=optimizer,
+        schedule=optax.constant_schedule(1e-3),
+        grad_accum_steps=1,
+    )
+    traced = jax.jit(step).trace(state, batch, jax.random.key(1))
+    return traced.lower(lowering_platforms=(platform,)).as_text()
+
+
+@pytest.fixture
+def cudnn_version_check_passes(monkeypatch):
+    """The cuDNN version check asks the GPU runtime; this host has none."""
+    monkeypatch.setattr(fused_attention_stablehlo, "check_cudnn_version", lambda *a, **k: 91000)
+
+
+@pytest.mark.parametrize("scan_layers", [False, True], ids=["unrolled", "scan"])
+def test_train_step_lowers_to_cudnn_fused_attention(cudnn_version_check_passes, scan_layers):
+    config = bert.BertConfig.preset(
+        "tiny", vocab_size=128, attention="cudnn", attention_dropout=0.0, scan_layers=scan_layers
+    )
+    text = lowered_train_step(config, "cuda")
+    forward = re.findall(r'custom_call @"?__cudnn\$fmha\w*Softmax"?\(', text)
+    backward = re.findall(r'custom_call @"?__cudnn\$fmha\w*SoftmaxBackward"?\(', text)
+    calls = 1 if scan_layers else config.num_layers  # one per layer, or one in the scan body
+    assert (len(forward), len(backward)) == (calls, calls), (forward, backward)
+    assert "dot_general" in text and "bhqk" not in text
+
+
+def test_train_step_lowers_to_splash_kernels():
+    config = bert.BertConfig.preset(
+        "tiny", vocab_size=128, attention="splash", attention_dropout=0.0, scan_layers=False
+    )
+    text = lowered_train_step(config, "tpu")
+    kernels = set(re.findall(r'kernel_name = "(\w+)"', text))
+    assert kernels == {
+        "splash_mha_fwd_segmented_residuals",
+        "splash_mha_dkv_segmented_no_residuals",
+        "splash_mha_dq_segmented_no_residuals",
+    }
+    # The kernels live in shared functions; each layer calls the forward and the backward.
+    calls = re.findall(r"call @(_splash_attention\w*)\(", text)
+    assert len(calls) == 2 * config.num_layers, calls
