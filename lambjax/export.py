@@ -18,7 +18,7 @@ import tempfile
 
 from absl import app, flags
 
-from lambjax import cli
+from lambjax import cli, console
 
 _WORKDIR = flags.DEFINE_string("workdir", None, "A lambjax training workdir.")
 _OUT = flags.DEFINE_string("out", None, "Directory to write the transformers checkpoint to.")
@@ -63,6 +63,7 @@ def export_workdir(workdir: str, out: str, *, overwrite: bool = False) -> str:
 def main(argv):
     if len(argv) > 1:
         cli.fail("lambjax.export", f"unexpected arguments: {argv[1:]}")
+    console.setup()
     try:
         print(export_workdir(_WORKDIR.value, _OUT.value, overwrite=_OVERWRITE.value))
     except (OSError, ValueError) as error:
