@@ -60,6 +60,12 @@ def _finished_phases(workdir: str) -> list[tuple[int, str, int, dict, object]]:
         )
     finished = []
     for phase_dir, step, meta in checkpointing.saved_checkpoints(workdir):
+        if "phase" not in meta:  # a fine-tuning run's checkpoints record their task instead
+            raise FinetuneError(
+                f"config.init=workdir:{workdir} is a fine-tuning run (task "
+                f"{meta.get('task')!r}), not a pretraining one; to start from it, give "
+                f"config.init=hf:{workdir}/transformers (its export)"
+            )
         run_config = json.loads(meta["config"])
         order = run_config.get("phase_order", [])
         phase = meta["phase"]
