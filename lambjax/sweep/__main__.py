@@ -22,7 +22,7 @@ import sys
 from absl import app, flags
 from ml_collections import config_flags
 
-from lambjax import cli, storage  # storage: before any gs:// access
+from lambjax import cli, console, storage  # storage: before any gs:// access
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file that defines get_sweep().")
 _WORKDIR = flags.DEFINE_string("workdir", None, "The sweep's directory: one workdir per trial.")
@@ -40,6 +40,7 @@ PROGRAM = "lambjax.sweep"
 
 
 def main(argv):
+    console.setup()
     if argv[1:2] == ["report"]:
         return report(argv[2:])
     if len(argv) > 1:
@@ -85,6 +86,7 @@ def main(argv):
         return
     if launcher == "tpu" and not os.environ.get("TPU_NAME"):
         cli.fail(PROGRAM, "--launcher=tpu: set TPU_NAME (and PROJECT, ZONE) as for tpu_vm.sh")
+    console.log_to_file(sweep.dir, "sweep.log")
     try:
         failed = sweep.run(_PARALLEL.value, launcher)
     except spec.SweepError as error:

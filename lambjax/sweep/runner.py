@@ -27,6 +27,7 @@ import subprocess
 import sys
 import time
 
+from absl import logging
 from etils import epath
 
 from lambjax import distributed, storage
@@ -76,6 +77,9 @@ class Sweep:
         """`config` has the sweep's own `base_flags` (`--config.F=V`) applied already."""
         self.config, self.config_spec, self.base_flags = config, config_spec, list(base_flags)
         self.dir, self.trials = storage.resolve(sweep_dir), trials
+        if "data" in config and not config.data.get("data_dir"):
+            # The trials' data lives with the sweep, built once for all of them.
+            self.base_flags.insert(0, f"--config.data.data_dir={self.dir}/data")
         self.records = {
             t.name: {"overrides": t.overrides, "status": "pending", "wall_time_s": 0.0}
             for t in trials
@@ -145,13 +149,16 @@ class Sweep:
         slot_envs = slot_environments(parallel) if launcher == "local" else [{}] * parallel
         stop = _StopSignal()
         self.write()
+        progress = Progress(len(self.trials), len(queue), parallel)
         while queue or running:
             while queue and free_slots and not stop.requested:
                 trial, slot = queue.pop(0), free_slots.pop(0)
                 command = self.command(trial, launcher, slot if parallel > 1 else None)
                 slot_env = {**base_env, **slot_envs[slot]}
-                process = self.start(trial, command, self.log_path(trial, launcher), slot_env)
+                log = self.log_path(trial, launcher)
+                process = self.start(trial, command, log, slot_env)
                 running[trial.name] = (trial, process, time.time(), slot)
+                progress.started(trial.name, log)
             time.sleep(0.5)
             if stop.requested:
                 for _, process, _, _ in running.values():
@@ -175,6 +182,8 @@ class Sweep:
                     record["status"] = f"failed (exit {process.returncode}; see {log})"
                     failed += 1
                 self.write()
+                elapsed = [time.time() - t[2] for t in running.values()]
+                progress.ended(name, record, time.time() - started, len(queue), elapsed)
         return failed
 
     def start(self, trial: Trial, command: list[str], log_path: str, env) -> subprocess.Popen:
@@ -205,6 +214,47 @@ class Sweep:
             self.records[trial.name]["status"] = f"submitted ({result.stdout.strip()})"
         self.write()
         return result.stdout.strip()
+
+
+class Progress:
+    """A line as each trial starts and ends (its name, final eval metric, time, log), with the
+    sweep's ETA: the mean time of the trials finished so far, over the slots."""
+
+    def __init__(self, num_trials: int, num_to_run: int, parallel: int):
+        self.num_trials, self.num_to_run, self.parallel = num_trials, num_to_run, parallel
+        self.durations: list[float] = []
+        self.count = 0
+        done = num_trials - num_to_run
+        logging.info(
+            "sweep: %d trials, %d to run (%d already finished), %d at a time",
+            num_trials,
+            num_to_run,
+            done,
+            parallel,
+        )
+
+    def started(self, name: str, log: str) -> None:
+        self.count += 1
+        logging.info("sweep: [%d/%d] %s started; log: %s", self.count, self.num_to_run, name, log)
+
+    def ended(self, name: str, record: dict, seconds: float, queued: int, running: list):
+        from lambjax.train.metrics import format_duration
+
+        final = record.get("final", {})
+        metric = ""
+        if "eval/mlm_accuracy" in final:
+            metric = f", eval mlm acc {100 * final['eval/mlm_accuracy']:.1f}%"
+        if record["status"] == "finished":
+            self.durations.append(seconds)
+        line = f"sweep: {name} {record['status']} after {format_duration(seconds)}{metric}"
+        left = queued + len(running)
+        if left and self.durations:
+            mean = sum(self.durations) / len(self.durations)
+            work = queued * mean + sum(max(mean - elapsed, 0.0) for elapsed in running)
+            line += f"; {left} left, sweep ETA ~{format_duration(work / self.parallel)}"
+        elif left:
+            line += f"; {left} left"
+        logging.info("%s", line)
 
 
 def slot_environments(parallel: int, root: str = "/") -> list[dict]:
