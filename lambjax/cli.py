@@ -137,8 +137,16 @@ def load_module(spec: str, name: str = "config"):
         hint = f" (config files in {folder}: {', '.join(known)})" if known else ""
         raise ValueError(f"--{name}={spec}: no such config file {path}{hint}")
     module_spec = importlib.util.spec_from_file_location("lambjax_config_file", path)
+    if module_spec is None:
+        raise ValueError(f"--{name}={spec}: {path} is not a Python file (a config is FILE.py)")
     module = importlib.util.module_from_spec(module_spec)
-    module_spec.loader.exec_module(module)
+    try:
+        module_spec.loader.exec_module(module)
+    except (SyntaxError, ValueError, UnicodeDecodeError) as error:
+        reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise ValueError(
+            f"--{name}={spec}: {path} is not a readable Python file ({reason})"
+        ) from None
     if not hasattr(module, "get_config"):
         raise ValueError(f"--{name}={spec}: {path} defines no get_config()")
     return module, arg

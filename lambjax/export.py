@@ -40,6 +40,8 @@ def export_workdir(workdir: str, out: str, *, overwrite: bool = False) -> str:
     if not epath.Path(workdir).is_dir():
         raise FileNotFoundError(f"--workdir={workdir}: no such directory")
     out_path = epath.Path(out)
+    if out_path.exists() and not out_path.is_dir():
+        raise FileExistsError(f"--out={out} is a file; give a directory (new or empty)")
     if out_path.is_dir() and any(out_path.iterdir()) and not overwrite:
         raise FileExistsError(
             f"--out={out} holds files; give an empty or new directory, or add --overwrite"

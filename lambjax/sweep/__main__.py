@@ -15,6 +15,7 @@ prints the trials' commands. The sweep's state is DIR/sweep.json; `report`
 writes DIR/report.md and plots (lambjax.sweep.report).
 """
 
+import json
 import os
 import shlex
 import sys
@@ -86,7 +87,10 @@ def main(argv):
         return
     if launcher == "tpu" and not os.environ.get("TPU_NAME"):
         cli.fail(PROGRAM, "--launcher=tpu: set TPU_NAME (and PROJECT, ZONE) as for tpu_vm.sh")
-    console.log_to_file(sweep.dir, "sweep.log")
+    try:
+        console.log_to_file(sweep.dir, "sweep.log")
+    except OSError as error:
+        cli.fail(PROGRAM, f"--workdir={_WORKDIR.value}: {storage.reason(error)}")
     try:
         failed = sweep.run(_PARALLEL.value, launcher)
     except spec.SweepError as error:
@@ -112,6 +116,8 @@ def report(args: list[str]) -> None:
         print(report_text(args[0]))
     except FileNotFoundError as error:
         cli.fail(PROGRAM, str(error))
+    except json.JSONDecodeError as error:
+        cli.fail(PROGRAM, f"{args[0]}: a file of the sweep is not valid JSON ({error})")
 
 
 def report_text(directory: str) -> str:
