@@ -32,6 +32,10 @@ _NOISY_PATH = f"{os.sep}apache_beam{os.sep}"  # Beam also logs through the root 
 _NOISY_MESSAGES = (
     "differ on disk and in the code",  # TFDS: dataset_info of our own builder
     "AdaptiveReadaheadCache",  # fsspec/gcsfs, one per opened gs:// file
+    # Orbax, on every read-only look at a run's checkpoints (export, fine-tuning's init):
+    "CheckpointManagerOptions.read_only=True",
+    "Given directory is read only",
+    "Metadata file does not exist",
 )
 
 
