@@ -64,7 +64,9 @@ def console_filter(record: std_logging.LogRecord) -> bool:
         return True
     if record.levelno < std_logging.WARNING:
         return False
-    if record.name.split(".")[0] in _NOISY_LOGGERS or _NOISY_PATH in record.pathname:
+    if _NOISY_PATH in record.pathname:
+        return False
+    if any(record.name == n or record.name.startswith(n + ".") for n in _NOISY_LOGGERS):
         return False
     message = record.getMessage()
     return not any(noise in message for noise in _NOISY_MESSAGES)
