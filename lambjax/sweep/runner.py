@@ -218,7 +218,7 @@ class Sweep:
 
 class Progress:
     """A line as each trial starts and ends (its name, final eval metric, time, log), with the
-    sweep's ETA: the mean time of the trials finished so far, over the slots."""
+    sweep's ETA (`sweep_eta`, from the mean time of the trials finished so far)."""
 
     def __init__(self, num_trials: int, num_to_run: int, parallel: int):
         self.num_trials, self.num_to_run, self.parallel = num_trials, num_to_run, parallel
@@ -250,11 +250,22 @@ class Progress:
         left = queued + len(running)
         if left and self.durations:
             mean = sum(self.durations) / len(self.durations)
-            work = queued * mean + sum(max(mean - elapsed, 0.0) for elapsed in running)
-            line += f"; {left} left, sweep ETA ~{format_duration(work / self.parallel)}"
+            eta = sweep_eta(mean, queued, running, self.parallel)
+            line += f"; {left} left, sweep ETA ~{format_duration(eta)}"
         elif left:
             line += f"; {left} left"
         logging.info("%s", line)
+
+
+def sweep_eta(mean: float, queued: int, running: list[float], parallel: int) -> float:
+    """Seconds until the last trial ends, if each takes `mean`: the running ones (their
+    elapsed seconds given) finish first, the queued ones take the slots as they free up."""
+    slots = sorted([max(mean - elapsed, 0.0) for elapsed in running])
+    slots += [0.0] * max(parallel - len(slots), 0)
+    for _ in range(queued):
+        slots.sort()
+        slots[0] += mean
+    return max(slots, default=0.0)
 
 
 def slot_environments(parallel: int, root: str = "/") -> list[dict]:
