@@ -51,12 +51,29 @@ def test_console_lines_have_no_prefix_and_warnings_say_so():
     assert formatter.format(record("no", logging.ERROR)) == "error: no"
 
 
-def test_the_log_file_holds_everything_from_the_start_in_absl_format(tmp_path, monkeypatch):
+@pytest.fixture
+def info_level():
+    """Root and absl loggers at INFO (absl's default verbosity), restored afterwards."""
+    loggers = (logging.getLogger(), absl_logging.get_absl_logger())
+    levels = [logger.level for logger in loggers]
+    for logger in loggers:
+        logger.setLevel(logging.INFO)
+    yield
+    for logger, level in zip(loggers, levels, strict=True):
+        logger.setLevel(level)
+
+
+def test_the_log_file_holds_everything_from_the_start_in_absl_format(
+    tmp_path, monkeypatch, info_level
+):
     root = logging.getLogger()
     monkeypatch.setattr(console._Setup, "buffer", None)
     monkeypatch.setattr(console._Setup, "file_handler", None)
     monkeypatch.setattr(root, "handlers", list(root.handlers))  # restored after the test
-    monkeypatch.setattr(root, "level", logging.INFO)
+    absl_handler = absl_logging.get_absl_handler()  # setup() gives it a filter and format
+    monkeypatch.setattr(absl_handler, "filters", list(absl_handler.filters))
+    python_handler = absl_handler.python_handler
+    monkeypatch.setattr(python_handler, "formatter", python_handler.formatter)
     console.setup()
     absl_logging.info("before the workdir was accepted")
     assert not os.listdir(tmp_path)  # a refused command leaves nothing behind
@@ -70,3 +87,4 @@ def test_the_log_file_holds_everything_from_the_start_in_absl_format(tmp_path, m
     assert lines[1].endswith("] after")
     assert console.process_log_name("train", 3) == "train.3.log"
     console._Setup.file_handler.close()
+    logging.captureWarnings(False)
