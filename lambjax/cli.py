@@ -10,7 +10,7 @@ parsing, with a traceback).
 
 `define_run_flags` and `start_run` are the start-up that the commands which train
 (`lambjax.main`, `lambjax.finetune`) share: the config, the workdir and the distributed
-flags; then quiet libraries, CPU memory settings and JAX's distributed runtime.
+flags; then the console (lambjax.console), CPU memory settings and JAX's distributed runtime.
 
 Importing this module quiets TensorFlow's start-up logs (TensorFlow serves the metric
 writers and TFDS, no computation of lambjax; it is imported later, by those).
@@ -18,13 +18,12 @@ writers and TFDS, no computation of lambjax; it is imported later, by those).
 
 import difflib
 import importlib.util
-import logging as std_logging
 import os
 import sys
 from typing import NoReturn
 
 import ml_collections
-from absl import flags, logging
+from absl import flags
 from ml_collections import config_flags
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
@@ -57,11 +56,11 @@ def start_run(argv: list[str]) -> None:
     JAX's backends must not start before this."""
     from absl import app
 
-    from lambjax import distributed, host_memory, xla_flags
+    from lambjax import console, distributed, host_memory, xla_flags
 
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-    logging.get_absl_logger().addFilter(quiet_libraries)
+    console.setup()
     if distributed.platform() == "cpu":
         # Before JAX starts its CPU client: XLA:CPU reallocates every temporary per step.
         host_memory.retain_freed_memory()
@@ -70,9 +69,14 @@ def start_run(argv: list[str]) -> None:
     distributed.initialize(values.coordinator_address, values.num_processes, values.process_id)
 
 
-def quiet_libraries(record) -> bool:
-    """Keeps Orbax's per-save INFO chatter out of the training log (warnings stay)."""
-    return record.levelno >= std_logging.WARNING or "/orbax/" not in record.pathname
+def keep_data_with_run(config, workdir: str) -> None:
+    """A config that names no `data.data_dir` keeps its vocabulary and datasets with its run,
+    in WORKDIR/data, so that deleting the workdir starts over; data shared by several runs
+    is an explicit `--config.data.data_dir`."""
+    from lambjax import storage
+
+    if not config.data.data_dir:
+        config.data.data_dir = f"{storage.resolve(workdir).rstrip('/')}/data"
 
 
 def flags_parser(program: str, config_flag: str = "config"):
@@ -134,8 +138,16 @@ def load_module(spec: str, name: str = "config"):
         hint = f" (config files in {folder}: {', '.join(known)})" if known else ""
         raise ValueError(f"--{name}={spec}: no such config file {path}{hint}")
     module_spec = importlib.util.spec_from_file_location("lambjax_config_file", path)
+    if module_spec is None:
+        raise ValueError(f"--{name}={spec}: {path} is not a Python file (a config is FILE.py)")
     module = importlib.util.module_from_spec(module_spec)
-    module_spec.loader.exec_module(module)
+    try:
+        module_spec.loader.exec_module(module)
+    except (SyntaxError, ValueError, UnicodeDecodeError) as error:
+        reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise ValueError(
+            f"--{name}={spec}: {path} is not a readable Python file ({reason})"
+        ) from None
     if not hasattr(module, "get_config"):
         raise ValueError(f"--{name}={spec}: {path} defines no get_config()")
     return module, arg

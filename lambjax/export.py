@@ -18,7 +18,7 @@ import tempfile
 
 from absl import app, flags
 
-from lambjax import cli
+from lambjax import cli, console
 
 _WORKDIR = flags.DEFINE_string("workdir", None, "A lambjax training workdir.")
 _OUT = flags.DEFINE_string("out", None, "Directory to write the transformers checkpoint to.")
@@ -40,6 +40,8 @@ def export_workdir(workdir: str, out: str, *, overwrite: bool = False) -> str:
     if not epath.Path(workdir).is_dir():
         raise FileNotFoundError(f"--workdir={workdir}: no such directory")
     out_path = epath.Path(out)
+    if out_path.exists() and not out_path.is_dir():
+        raise FileExistsError(f"--out={out} is a file; give a directory (new or empty)")
     if out_path.is_dir() and any(out_path.iterdir()) and not overwrite:
         raise FileExistsError(
             f"--out={out} holds files; give an empty or new directory, or add --overwrite"
@@ -63,6 +65,7 @@ def export_workdir(workdir: str, out: str, *, overwrite: bool = False) -> str:
 def main(argv):
     if len(argv) > 1:
         cli.fail("lambjax.export", f"unexpected arguments: {argv[1:]}")
+    console.setup()
     try:
         print(export_workdir(_WORKDIR.value, _OUT.value, overwrite=_OVERWRITE.value))
     except (OSError, ValueError) as error:

@@ -50,7 +50,8 @@ def default_config() -> ml_collections.ConfigDict:
             # data.vocab="train" trains on the whole corpus up to this size, else on every
             # k-th input unit, k = ceil(corpus MB / vocab_sample_mb); 0: the whole corpus.
             "vocab_sample_mb": 256.0,
-            # Where built datasets (and trained vocabularies) live; None: ~/tensorflow_datasets.
+            # Where built datasets (and trained vocabularies) live; None: the run's
+            # WORKDIR/data (lambjax.main, lambjax.prepare --workdir, a sweep's DIR/data).
             "data_dir": ml_collections.FieldReference(None, field_type=str),
             # TFDS data dir of a `tfds:` source; None: TFDS's default.
             "tfds_data_dir": ml_collections.FieldReference(None, field_type=str),

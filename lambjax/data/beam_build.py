@@ -208,12 +208,14 @@ def pipeline_options(spec: str | None, num_units: int) -> beam_options.PipelineO
             f"valid: {', '.join(sorted(_RUNNERS))}"
         )
     if runner == "DataflowRunner":
-        for required in ("project", "region", "temp_location"):
-            if not given.get(required):
-                raise DataError(
-                    f"--beam_pipeline_options: runner=DataflowRunner needs {required}=... "
-                    "(e.g. temp_location=gs://BUCKET/tmp)"
-                )
+        examples = {"project": "my-project", "region": "us-central1", "temp_location": "gs://B/tmp"}
+        missing = [key for key in examples if not given.get(key)]
+        if missing:
+            example = ",".join(f"{key}={value}" for key, value in examples.items())
+            raise DataError(
+                f"--beam_pipeline_options: runner=DataflowRunner needs "
+                f"{', '.join(k + '=...' for k in missing)} (e.g. runner=DataflowRunner,{example})"
+            )
         installs = ("setup_file", "requirements_file", "sdk_container_image")
         if not any(given.get(k) for k in installs):
             setup_file = epath.Path(__file__).parents[2] / "setup.py"

@@ -64,6 +64,8 @@ class Vocabulary:
 
 
 def default_data_dir() -> str:
+    """Where the library's functions build when neither the call nor the config names a
+    data_dir (the commands always name one: the run's WORKDIR/data by default)."""
     return os.path.join(os.path.expanduser("~"), "tensorflow_datasets")
 
 

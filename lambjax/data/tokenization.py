@@ -46,7 +46,11 @@ def _train(documents, vocab_size: int, lower_case: bool, reserved: tuple[str, ..
     """The trained vocabulary's tokens in id order, `reserved` first."""
     tokenizer = tokenizers.BertWordPieceTokenizer(lowercase=lower_case)
     tokenizer.train_from_iterator(
-        documents, vocab_size=vocab_size, special_tokens=list(reserved), min_frequency=2
+        documents,
+        vocab_size=vocab_size,
+        special_tokens=list(reserved),
+        min_frequency=2,
+        show_progress=False,  # its bars print blank lines where output is not a terminal
     )
     return [token for token, _ in sorted(tokenizer.get_vocab().items(), key=lambda kv: kv[1])]
 
@@ -65,7 +69,14 @@ def load(vocab_file: str, lower_case: bool) -> tokenizers.Tokenizer:
 
 def read_vocab(vocab_file: str) -> dict[str, int]:
     """token -> id of a vocab.txt (one token a line, ids in line order)."""
-    lines = epath.Path(vocab_file).read_text(encoding="utf-8").split("\n")
+    try:
+        lines = epath.Path(vocab_file).read_text(encoding="utf-8").split("\n")
+    except UnicodeDecodeError as error:
+        raise DataError(
+            f"vocabulary {vocab_file} is not UTF-8 text (byte {error.start}: "
+            f"{error.object[error.start : error.start + 1]!r}); a BERT vocab.txt holds one "
+            f"token a line, in UTF-8"
+        ) from None
     if lines and lines[-1] == "":
         lines.pop()
     return {token: index for index, token in enumerate(lines)}

@@ -60,6 +60,12 @@ def _finished_phases(workdir: str) -> list[tuple[int, str, int, dict, object]]:
         )
     finished = []
     for phase_dir, step, meta in checkpointing.saved_checkpoints(workdir):
+        if "phase" not in meta:  # a fine-tuning run's checkpoints record their task instead
+            raise FinetuneError(
+                f"config.init=workdir:{workdir} is a fine-tuning run (task "
+                f"{meta.get('task')!r}), not a pretraining one; to start from it, give "
+                f"config.init=hf:{workdir}/transformers (its export)"
+            )
         run_config = json.loads(meta["config"])
         order = run_config.get("phase_order", [])
         phase = meta["phase"]
@@ -102,6 +108,8 @@ def from_hf(path: str) -> Start:
     path = storage.local_copy(path)  # transformers' files are read from local disk
     try:
         config, params = hf.from_transformers(path)
+    except json.JSONDecodeError as e:
+        raise FinetuneError(f"config.init=hf:{path}: config.json is not valid JSON ({e})") from e
     except (FileNotFoundError, ValueError, KeyError) as e:
         raise FinetuneError(f"config.init=hf:{path}: {e}") from e
     lower_case = None
@@ -121,11 +129,12 @@ def from_hf(path: str) -> Start:
 
 def vocabulary_is_cased(vocab_file: str) -> bool:
     """A vocabulary is cased if any of its ordinary tokens has an upper-case letter."""
-    with open(vocab_file, encoding="utf-8") as f:
-        for line in f:
-            token = line.strip()
-            if not (token.startswith("[") and token.endswith("]")) and token != token.lower():
-                return True
+    from lambjax.data import tokenization
+
+    for token in tokenization.read_vocab(vocab_file):  # DataError unless UTF-8 text
+        token = token.strip()
+        if not (token.startswith("[") and token.endswith("]")) and token != token.lower():
+            return True
     return False
 
 

@@ -31,7 +31,7 @@ import optax
 from absl import logging
 from etils import epath
 
-from lambjax import distributed, optim, sharding, storage
+from lambjax import console, distributed, optim, sharding, storage
 from lambjax.data import tokenization
 from lambjax.finetune import config as config_lib
 from lambjax.finetune import init as init_lib
@@ -260,7 +260,13 @@ def finetune(config, workdir: str) -> dict:
     """Fine-tunes and evaluates; returns the final eval metrics (also in results.json)."""
     workdir = storage.resolve(workdir)
     storage.check_reachable(workdir, "--workdir")
+    if (epath.Path(workdir) / "config.json").exists():  # lambjax.main saves its config there
+        raise FinetuneError(
+            f"--workdir={workdir} holds a pretraining run; fine-tuning needs a workdir of its "
+            f"own (and config.init=workdir:{workdir} to start from that run)"
+        )
     epath.Path(workdir).mkdir(parents=True, exist_ok=True)
+    console.log_to_file(workdir, console.process_log_name("finetune", jax.process_index()))
     run = build_run(config, workdir)
     logging.info(
         "Fine-tuning %s from %s: %d training features, %d steps of %d; lower_case=%s",

@@ -221,6 +221,17 @@ def unexportable_reason(config: bert.BertConfig) -> str | None:
     return None
 
 
+def save_safetensors(state: dict[str, np.ndarray], path: str) -> None:
+    """safetensors writes its file with mode 0600; this gives it the mode any other new file
+    gets (0666 less the umask), so that whoever may read config.json may read the weights."""
+    from safetensors.numpy import save_file
+
+    save_file(state, path, metadata={"format": "pt"})
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(path, 0o666 & ~umask)
+
+
 def to_transformers(
     config: bert.BertConfig, params: dict, path: str, vocab_file: str | None = None
 ) -> None:
@@ -228,8 +239,6 @@ def to_transformers(
     reason = unexportable_reason(config)
     if reason:
         raise ValueError(reason)
-    from safetensors.numpy import save_file
-
     params = jax.tree.map(lambda x: np.asarray(x, np.float32), params)
     state = _encoder_state(config, params)
     for (ours,), (theirs, kind) in _HEADS.items():
@@ -240,7 +249,7 @@ def to_transformers(
     state["cls.predictions.decoder.bias"] = params["heads"]["mlm_bias"]
     os.makedirs(path, exist_ok=True)
     state = {k: np.ascontiguousarray(v) for k, v in state.items()}
-    save_file(state, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+    save_safetensors(state, os.path.join(path, "model.safetensors"))
     with open(os.path.join(path, "config.json"), "w", encoding="utf-8") as f:
         json.dump(config_to_hf(config), f, indent=2)
     if vocab_file:
@@ -267,8 +276,6 @@ def to_transformers_task(
     reason = unexportable_reason(config)
     if reason:
         raise ValueError(reason)
-    from safetensors.numpy import save_file
-
     params = jax.tree.map(lambda x: np.asarray(x, np.float32), params)
     state = _encoder_state(config, params)
     head = params["heads"]
@@ -295,7 +302,7 @@ def to_transformers_task(
         raise ValueError(f"params['heads'] has {sorted(head)}: no span or classifier head")
     os.makedirs(path, exist_ok=True)
     state = {k: np.ascontiguousarray(v) for k, v in state.items()}
-    save_file(state, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+    save_safetensors(state, os.path.join(path, "model.safetensors"))
     with open(os.path.join(path, "config.json"), "w", encoding="utf-8") as f:
         json.dump(hf_config, f, indent=2)
     if vocab_file:

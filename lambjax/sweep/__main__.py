@@ -15,6 +15,7 @@ prints the trials' commands. The sweep's state is DIR/sweep.json; `report`
 writes DIR/report.md and plots (lambjax.sweep.report).
 """
 
+import json
 import os
 import shlex
 import sys
@@ -22,7 +23,7 @@ import sys
 from absl import app, flags
 from ml_collections import config_flags
 
-from lambjax import cli, storage  # storage: before any gs:// access
+from lambjax import cli, console, storage  # storage: before any gs:// access
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file that defines get_sweep().")
 _WORKDIR = flags.DEFINE_string("workdir", None, "The sweep's directory: one workdir per trial.")
@@ -40,6 +41,7 @@ PROGRAM = "lambjax.sweep"
 
 
 def main(argv):
+    console.setup()
     if argv[1:2] == ["report"]:
         return report(argv[2:])
     if len(argv) > 1:
@@ -89,6 +91,10 @@ def main(argv):
     if launcher == "tpu" and not os.environ.get("TPU_NAME"):
         cli.fail(PROGRAM, "--launcher=tpu: set TPU_NAME (and PROJECT, ZONE) as for tpu_vm.sh")
     try:
+        console.log_to_file(sweep.dir, "sweep.log")
+    except OSError as error:
+        cli.fail(PROGRAM, f"--workdir={_WORKDIR.value}: {storage.reason(error)}")
+    try:
         failed = sweep.run(_PARALLEL.value, launcher)
     except spec.SweepError as error:
         cli.fail(PROGRAM, str(error))
@@ -113,6 +119,8 @@ def report(args: list[str]) -> None:
         print(report_text(args[0]))
     except (FileNotFoundError, ValueError) as error:  # no sweep there; an unknown study
         cli.fail(PROGRAM, str(error))
+    except json.JSONDecodeError as error:
+        cli.fail(PROGRAM, f"{args[0]}: a file of the sweep is not valid JSON ({error})")
 
 
 def report_text(directory: str) -> str:

@@ -28,6 +28,7 @@ import subprocess
 import sys
 import time
 
+from absl import logging
 from etils import epath
 
 from lambjax import distributed, storage
@@ -84,6 +85,9 @@ class Sweep:
         `study` is the config file's `get_study(arg)`, kept in sweep.json for the report."""
         self.config, self.config_spec, self.base_flags = config, config_spec, list(base_flags)
         self.dir, self.trials, self.study = storage.resolve(sweep_dir), trials, study
+        if "data" in config and not config.data.get("data_dir"):
+            # The trials' data lives with the sweep, built once for all of them.
+            self.base_flags.insert(0, f"--config.data.data_dir={self.dir}/data")
         self.records = {
             t.name: {
                 "overrides": t.overrides,
@@ -160,13 +164,16 @@ class Sweep:
         slot_envs = slot_environments(parallel) if launcher == "local" else [{}] * parallel
         stop = _StopSignal()
         self.write()
+        progress = Progress(len(self.trials), len(queue), parallel)
         while queue or running:
             while queue and free_slots and not stop.requested:
                 trial, slot = queue.pop(0), free_slots.pop(0)
                 command = self.command(trial, launcher, slot if parallel > 1 else None)
                 slot_env = {**base_env, **slot_envs[slot]}
-                process = self.start(trial, command, self.log_path(trial, launcher), slot_env)
+                log = self.log_path(trial, launcher)
+                process = self.start(trial, command, log, slot_env)
                 running[trial.name] = (trial, process, time.time(), slot)
+                progress.started(trial.name, log)
             time.sleep(0.5)
             if stop.requested:
                 for _, process, _, _ in running.values():
@@ -190,6 +197,8 @@ class Sweep:
                     record["status"] = f"failed (exit {process.returncode}; see {log})"
                     failed += 1
                 self.write()
+                elapsed = [time.time() - t[2] for t in running.values()]
+                progress.ended(name, record, time.time() - started, len(queue), elapsed)
         return failed
 
     def start(self, trial: Trial, command: list[str], log_path: str, env) -> subprocess.Popen:
@@ -220,6 +229,58 @@ class Sweep:
             self.records[trial.name]["status"] = f"submitted ({result.stdout.strip()})"
         self.write()
         return result.stdout.strip()
+
+
+class Progress:
+    """A line as each trial starts and ends (its name, final eval metric, time, log), with the
+    sweep's ETA (`sweep_eta`, from the mean time of the trials finished so far)."""
+
+    def __init__(self, num_trials: int, num_to_run: int, parallel: int):
+        self.num_trials, self.num_to_run, self.parallel = num_trials, num_to_run, parallel
+        self.durations: list[float] = []
+        self.count = 0
+        done = num_trials - num_to_run
+        logging.info(
+            "sweep: %d trials, %d to run (%d already finished), %d at a time",
+            num_trials,
+            num_to_run,
+            done,
+            parallel,
+        )
+
+    def started(self, name: str, log: str) -> None:
+        self.count += 1
+        logging.info("sweep: [%d/%d] %s started; log: %s", self.count, self.num_to_run, name, log)
+
+    def ended(self, name: str, record: dict, seconds: float, queued: int, running: list):
+        from lambjax.train.metrics import format_duration
+
+        final = record.get("final", {})
+        metric = ""
+        if "eval/mlm_accuracy" in final:
+            metric = f", eval mlm acc {100 * final['eval/mlm_accuracy']:.1f}%"
+        if record["status"] == "finished":
+            self.durations.append(seconds)
+        line = f"sweep: {name} {record['status']} after {format_duration(seconds)}{metric}"
+        left = queued + len(running)
+        if left and self.durations:
+            mean = sum(self.durations) / len(self.durations)
+            eta = sweep_eta(mean, queued, running, self.parallel)
+            line += f"; {left} left, sweep ETA ~{format_duration(eta)}"
+        elif left:
+            line += f"; {left} left"
+        logging.info("%s", line)
+
+
+def sweep_eta(mean: float, queued: int, running: list[float], parallel: int) -> float:
+    """Seconds until the last trial ends, if each takes `mean`: the running ones (their
+    elapsed seconds given) finish first, the queued ones take the slots as they free up."""
+    slots = sorted([max(mean - elapsed, 0.0) for elapsed in running])
+    slots += [0.0] * max(parallel - len(slots), 0)
+    for _ in range(queued):
+        slots.sort()
+        slots[0] += mean
+    return max(slots, default=0.0)
 
 
 def slot_environments(parallel: int, root: str = "/") -> list[dict]:

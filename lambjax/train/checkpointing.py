@@ -226,6 +226,11 @@ def latest_params(workdir: str) -> tuple[dict, dict]:
         raise FileNotFoundError(f"no checkpoints under {root}: is {workdir} a training workdir?")
     candidates = []
     for phase_dir, step, meta in saved:
+        if "phase" not in meta:  # lambjax.finetune's checkpoints record their task instead
+            raise ValueError(
+                f"--workdir={workdir} holds a fine-tuning run (task {meta.get('task')!r}), not "
+                f"a pretraining run; its transformers export is {workdir}/transformers"
+            )
         order = json.loads(meta["config"]).get("phase_order", [])
         rank = order.index(meta["phase"]) if meta["phase"] in order else -1
         candidates.append((rank, step, phase_dir, meta))

@@ -12,7 +12,8 @@ import time
 
 import jax
 import numpy as np
-from clu import metric_writers
+from absl import logging
+from clu import metric_writers, parameter_overview
 from etils import epath
 
 from lambjax import storage
@@ -175,6 +176,70 @@ def run_summary(phases: list[tuple], workdir: str, checkpoints: str) -> str:
     lines.append(f"  checkpoints: {checkpoints}")
     lines.append(f"  TensorBoard: tensorboard --logdir {workdir} (every scalar: metrics.jsonl)")
     return "\n".join(lines)
+
+
+class MeanStepTime:
+    """A phase's mean step time over the windows measured so far (each weighted by its steps;
+    compilation and evaluations excluded by the throughput meter): the ETA it gives is
+    steady where one window's rate jumps (a checkpoint, another process on the machine)."""
+
+    def __init__(self):
+        self._steps, self._seconds, self._last_step = 0, 0.0, None
+
+    def update(self, step: int, step_time_s: float | None) -> float | None:
+        """Adds the window that ends at `step` (None: not measured); the mean so far."""
+        if step_time_s is not None and self._last_step is not None and step > self._last_step:
+            steps = step - self._last_step
+            self._steps += steps
+            self._seconds += steps * step_time_s
+        self._last_step = step
+        return self._seconds / self._steps if self._steps else None
+
+
+def log_parameters(params, model_config, workdir: str, writer) -> None:
+    """The parameter table goes to WORKDIR/parameters.txt and TensorBoard (text); the console
+    gets one line with the model's shape and size."""
+    if jax.process_index() > 0:
+        return
+    table = parameter_overview.get_parameter_overview(params, include_stats=False)
+    path = epath.Path(workdir) / "parameters.txt"
+    storage.write_text(path, f"{model_config}\n\n{table}\n")
+    indented = "\n".join("    " + line for line in f"{model_config}\n\n{table}".splitlines())
+    writer.write_texts(0, {"parameters": indented})  # indented: preformatted in TensorBoard
+    leaves = jax.tree.leaves(params)
+    count = sum(int(np.prod(x.shape)) for x in leaves)
+    size = sum(int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize for x in leaves)
+    c = model_config
+    logging.info(
+        "Model: %d layers, hidden %d, %d heads, FFN %d, vocab %d, %sLN: %s parameters (%s); "
+        "table: %s",
+        c.num_layers,
+        c.hidden_size,
+        c.num_heads,
+        c.intermediate_size,
+        c.vocab_size,
+        "Post" if c.layer_norm == "post" else "Pre",
+        format_count(count),
+        format_bytes(size),
+        path,
+    )
+
+
+def format_bytes(size: float) -> str:
+    """4098056 -> '4.1 MB'."""
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if size >= scale:
+            return f"{size / scale:.1f} {unit}"
+    return f"{size:.0f} B"
+
+
+def eval_metrics_at(workdir: str, step: int) -> dict:
+    """The evaluation metrics metrics.jsonl holds for (global) `step`; {} if none."""
+    path = epath.Path(workdir) / "metrics.jsonl"
+    if not path.exists():
+        return {}
+    record = read_jsonl(os.fspath(path)).get(step, {})
+    return {k[len("eval/") :]: v for k, v in record.items() if k.startswith("eval/")}
 
 
 def read_jsonl(path: str) -> dict[int, dict]:

@@ -212,12 +212,12 @@ def _prepared(find_or_build: Callable):
 
 
 def prepare_command() -> str:
-    """`python -m lambjax.prepare` with this run's --config flags."""
+    """`python -m lambjax.prepare` with this run's --config and --workdir flags."""
     argv, args = sys.argv[1:], []
     for index, arg in enumerate(argv):
         if arg == "--config" and index + 1 < len(argv):
             args += [arg, argv[index + 1]]
-        elif arg.startswith(("--config=", "--config.", "--noconfig.")):
+        elif arg.startswith(("--config=", "--config.", "--noconfig.", "--workdir=")):
             args.append(arg)
     return " ".join(["python -m lambjax.prepare", *args])
 

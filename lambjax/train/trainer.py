@@ -14,10 +14,10 @@ import time
 import jax
 import jax.numpy as jnp
 from absl import logging
-from clu import parameter_overview, periodic_actions
+from clu import periodic_actions
 
+from lambjax import console, distributed, sharding, storage
 from lambjax import data as data_lib
-from lambjax import distributed, sharding, storage
 from lambjax.train import checkpointing, loop, phases
 from lambjax.train import metrics as metrics_lib
 from lambjax.train import plan as plan_lib
@@ -56,6 +56,7 @@ def train_and_evaluate(config, workdir: str) -> dict:
     """Runs the remaining phases; returns the last phase's final evaluation metrics."""
     workdir = storage.resolve(workdir)
     workdir_lib.check(config.to_json_best_effort(), workdir)
+    console.log_to_file(workdir, console.process_log_name("train", jax.process_index()))
     for flag, path in data_lib.paths(config.data):
         storage.check_reachable(path, flag)
     vocabulary = phases.prepare_vocabulary(config.data)
@@ -98,11 +99,10 @@ def run_phase(run: RunPlan, workdir: str, phase: Phase, writer, stop) -> PhaseRe
     if step >= phase.plan.num_steps:
         logging.info("Phase %s already finished (step %d).", phase.name, step)
         ckpt.close()
-        return PhaseResult(phase.name, step, 0.0, {})
+        final = metrics_lib.eval_metrics_at(workdir, phase.plan.step_offset + step)
+        return PhaseResult(phase.name, step, 0.0, final)
     if phase.index == 0 and step == 0:
-        parameter_overview.log_parameter_overview(
-            state.params, include_stats=False, msg=f"Parameters of {phase.model_config}"
-        )
+        metrics_lib.log_parameters(state.params, phase.model_config, workdir, writer)
     loop = PhaseLoop(run, workdir, phase, writer, ckpt, steps, data_state)
     step, stopped = loop.run(state, step, stop)
     writer.flush()
@@ -136,6 +136,7 @@ class PhaseLoop:
         self.meta = phase.checkpoint_meta(run.config_json)
         self.throughput = phases.throughput_meter(run, phase.plan)
         self.save_clock = checkpointing.SaveClock(run.checkpoint_every_minutes, run.log_every_steps)
+        self.step_time = metrics_lib.MeanStepTime()
         self.later_phases_flops = phases.later_phases_flops(run, phase.plan)
         self.eval_metrics = {}
 
@@ -165,9 +166,11 @@ class PhaseLoop:
 
     def progress_line(self, step: int, train: dict) -> str:
         eta_phase = eta_run = None
-        if "step_time_s" in train:  # later phases at this phase's FLOP rate
-            eta_phase = (self.num_steps - step) * train["step_time_s"]
-            eta_run = eta_phase + self.later_phases_flops / train["flops_per_s"]
+        step_time = self.step_time.update(step, train.get("step_time_s"))
+        if step_time is not None:  # later phases at this phase's FLOP rate
+            eta_phase = (self.num_steps - step) * step_time
+            flops_per_step = train["flops_per_s"] * train["step_time_s"]
+            eta_run = eta_phase + self.later_phases_flops * step_time / flops_per_step
         return metrics_lib.progress_line(
             self.phase.name, step, self.num_steps, train, eta_phase, eta_run
         )

@@ -60,6 +60,11 @@ def check(config_json: str, workdir: str) -> None:
     """Raises WorkdirError unless `workdir` can hold a run of the config (given as its JSON,
     `ConfigDict.to_json_best_effort()`; see the module doc)."""
     ensure_writable(workdir)
+    if (epath.Path(workdir) / "checkpoints" / "finetune").exists():
+        raise WorkdirError(
+            f"--workdir={workdir} holds a fine-tuning run (lambjax.finetune's); pretraining "
+            f"needs a workdir of its own (a new one, or a pretraining run's)"
+        )
     saved = saved_config(workdir)
     if saved is None:
         return

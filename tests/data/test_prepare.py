@@ -33,7 +33,8 @@ def test_multi_host_run_stops_then_finds_what_prepare_built(tmp_path, monkeypatc
     with pytest.raises(data.NotPrepared) as error:
         phases.prepare_vocabulary(config.data)
     message = str(error.value)
-    assert "\n" not in message and f"python -m lambjax.prepare --config={CONFIG}`" in message
+    assert "\n" not in message
+    assert f"python -m lambjax.prepare --config={CONFIG} --workdir=/w`" in message
 
     result = run(prepare_command(tmp_path, "--beam_pipeline_options=direct_num_workers=1"), 1)
     summary = result.stdout.strip().splitlines()[-1]

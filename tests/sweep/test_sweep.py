@@ -312,3 +312,13 @@ def test_a_sweep_in_a_bucket_keeps_its_state_there(gcs_bucket, data_dir):
     assert not sweep.finished(trials[0])
     (final / "commit_success.txt").write_text("")
     assert sweep.finished(trials[0])
+
+
+def test_the_sweeps_eta_fills_the_slots_with_the_mean_trial_time():
+    from lambjax.sweep import runner
+
+    # 2 slots, trials of 100 s: one running for 30 s and 3 queued -> the queued take the
+    # free slot at 0 s and 100 s and the other at 70 s: the last ends at 200 s.
+    assert runner.sweep_eta(100.0, 3, [30.0], 2) == 200.0
+    assert runner.sweep_eta(100.0, 1, [], 2) == 100.0  # one trial left: not halved
+    assert runner.sweep_eta(100.0, 0, [150.0], 1) == 0.0  # over its mean: due now

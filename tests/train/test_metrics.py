@@ -40,3 +40,29 @@ def test_read_jsonl_merges_a_steps_records(tmp_path):
     path.write_text("".join(json.dumps(r) + "\n" for r in records))
     merged = {"step": 1, "train/loss": 1.5, "eval/mlm_loss": 3.0}
     assert metrics.read_jsonl(str(path)) == {1: merged}
+
+
+def test_the_eta_follows_the_phases_mean_step_time_not_one_window():
+    """Windows of 1 s per step, then one of 5 s (a checkpoint, a busy machine): the mean over
+    the phase moves by the window's share of the steps, not to the window's rate."""
+    mean = metrics.MeanStepTime()
+    assert mean.update(20, None) is None  # the first window holds the compilation
+    assert mean.update(40, 1.0) == 1.0
+    assert mean.update(60, 1.0) == 1.0
+    assert mean.update(80, 5.0) == (20 * 1.0 + 20 * 1.0 + 20 * 5.0) / 60
+    assert mean.update(100, None) == (20 * 1.0 + 20 * 1.0 + 20 * 5.0) / 60  # not measured
+
+
+def test_a_finished_phase_finds_its_eval_metrics_in_metrics_jsonl(tmp_path):
+    records = [
+        {"step": 300, "train/loss": 6.0},
+        {"step": 300, "eval/mlm_loss": 5.07, "eval/mlm_accuracy": 0.144, "eval/nsp_accuracy": 0.5},
+    ]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    assert metrics.eval_metrics_at(str(tmp_path), 300) == {
+        "mlm_loss": 5.07,
+        "mlm_accuracy": 0.144,
+        "nsp_accuracy": 0.5,
+    }
+    assert metrics.eval_metrics_at(str(tmp_path), 340) == {}
+    assert metrics.eval_metrics_at(str(tmp_path / "nowhere"), 300) == {}

@@ -7,6 +7,7 @@ checkpoint. Each run is a real subprocess, as a user would start it.
 """
 
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -42,10 +43,30 @@ def start(workdir, data_dir, devices, *overrides):
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory, data_dir):
+def reference_run(tmp_path_factory, data_dir):
+    """(workdir, console output) of the reference run."""
     workdir = str(tmp_path_factory.mktemp("reference"))
-    run(workdir, data_dir, 4)
-    return workdir
+    return workdir, run(workdir, data_dir, 4).stderr
+
+
+@pytest.fixture(scope="module")
+def reference(reference_run):
+    return reference_run[0]
+
+
+def test_the_console_shows_lambjax_lines_and_the_workdir_the_full_log(reference_run):
+    workdir, console = reference_run
+    lines = console.strip().splitlines()
+    assert not [line for line in lines if re.match(r"[IWEF]\d{4} ", line)]  # no absl prefix
+    assert f"phase1 step {PHASE1_STEPS}/{PHASE1_STEPS} | loss " in console
+    model = [line for line in lines if line.startswith("Model: ")]
+    assert len(model) == 1 and "parameters.txt" in model[0] and "| Name" not in console
+    assert "| embeddings/word/embedding" in open(os.path.join(workdir, "parameters.txt")).read()
+    assert "differ on disk" not in console and "Unable to initialize backend" not in console
+    with open(os.path.join(workdir, "train.log"), encoding="utf-8") as f:
+        full_log = f.read()
+    assert re.search(r"^I\d{4} [\d:.]+ +\d+ trainer.py:\d+\] phase1 step 1/", full_log, re.M)
+    assert lines[-5] == "Summary:"  # the console ends with the summary
 
 
 def test_two_phases_run_and_learn(reference):
