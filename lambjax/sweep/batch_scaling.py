@@ -26,6 +26,7 @@ import math
 
 from etils import epath
 
+from lambjax.sweep import plots
 from lambjax.train.metrics import format_duration, read_jsonl
 
 LOSS = "eval/mlm_loss"
@@ -255,9 +256,7 @@ def batch_axis(axis, batch_sizes) -> None:
 
 
 def plot_steps(directory, chosen, batch_sizes, samples, target) -> None:
-    from lambjax.sweep import report
-
-    plt = report.pyplot()
+    plt = plots.pyplot()
     figure, axis = plt.subplots(figsize=(7, 5))
     budget = [samples / b for b in batch_sizes]
     axis.plot(batch_sizes, budget, ":", color="gray", label="sample budget (all steps)")
@@ -305,13 +304,11 @@ def plot_steps(directory, chosen, batch_sizes, samples, target) -> None:
     axis.legend(fontsize="small")
     axis.grid(True, which="both", alpha=0.3)
     figure.tight_layout()
-    report.save(figure, directory, "steps_to_target.png")
+    plots.save(figure, directory, "steps_to_target.png")
 
 
 def plot_finals(directory, chosen, batch_sizes) -> None:
-    from lambjax.sweep import report
-
-    plt = report.pyplot()
+    plt = plots.pyplot()
     figure, axis = plt.subplots(figsize=(7, 4.5))
     for (optimizer, arm), by_batch in chosen.items():
         color, marker = STYLES.get(optimizer, ("tab:gray", "o"))
@@ -333,13 +330,11 @@ def plot_finals(directory, chosen, batch_sizes) -> None:
     axis.legend(fontsize="small")
     axis.grid(True, which="both", alpha=0.3)
     figure.tight_layout()
-    report.save(figure, directory, "final_loss.png")
+    plots.save(figure, directory, "final_loss.png")
 
 
 def plot_learning_rates(directory, chosen, batch_sizes) -> None:
-    from lambjax.sweep import report
-
-    plt = report.pyplot()
+    plt = plots.pyplot()
     figure, axis = plt.subplots(figsize=(7, 4.5))
     for (optimizer, arm), by_batch in chosen.items():
         color, marker = STYLES.get(optimizer, ("tab:gray", "o"))
@@ -361,4 +356,4 @@ def plot_learning_rates(directory, chosen, batch_sizes) -> None:
     axis.legend(fontsize="small")
     axis.grid(True, which="both", alpha=0.3)
     figure.tight_layout()
-    report.save(figure, directory, "learning_rates.png")
+    plots.save(figure, directory, "learning_rates.png")

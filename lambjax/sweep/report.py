@@ -9,13 +9,13 @@ and loss against each swept field). DIR may also be a single run's workdir. Tens
 pointed at DIR shows every trial.
 """
 
-import io
 import json
 import math
 import os
 
 from etils import epath
 
+from lambjax.sweep.plots import pyplot, save
 from lambjax.train.metrics import read_jsonl
 
 ACCURACY, LOSS = "eval/mlm_accuracy", "eval/mlm_loss"
@@ -166,23 +166,6 @@ def plot_finals(directory: str, trials: dict) -> None:
             axis.set_title(title)
         figure.tight_layout()
         save(figure, directory, f"final_vs_{field}.png")
-
-
-def save(figure, directory: str, name: str) -> None:
-    """A PNG in `directory` (local or a bucket)."""
-    buffer = io.BytesIO()
-    figure.savefig(buffer, format="png", dpi=100)
-    pyplot().close(figure)
-    (epath.Path(directory) / name).write_bytes(buffer.getvalue())
-
-
-def pyplot():
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
 
 
 def _percent(value) -> str:
