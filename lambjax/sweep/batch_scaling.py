@@ -255,6 +255,32 @@ def batch_axis(axis, batch_sizes) -> None:
     axis.minorticks_off()
 
 
+def plot_arm(axis, optimizer: str, arm: str, xs, ys) -> None:
+    """One arm's line: its optimizer's colour and marker, solid and filled when tuned."""
+    color, marker = STYLES.get(optimizer, ("tab:gray", "o"))
+    axis.plot(
+        xs,
+        ys,
+        "-" if arm == "tuned" else "-.",
+        marker=marker,
+        color=color,
+        markerfacecolor=color if arm == "tuned" else "white",
+        label=f"{optimizer}, {arm}",
+    )
+
+
+def finish(figure, axis, batch_sizes, ylabel: str, title: str, directory: str, name: str):
+    """The batch axis, labels, legend and grid; the figure saved as `name`."""
+    batch_axis(axis, batch_sizes)
+    axis.set_xlabel("batch size (sequences)")
+    axis.set_ylabel(ylabel)
+    axis.set_title(title)
+    axis.legend(fontsize="small")
+    axis.grid(True, which="both", alpha=0.3)
+    figure.tight_layout()
+    plots.save(figure, directory, name)
+
+
 def plot_steps(directory, chosen, batch_sizes, samples, target) -> None:
     plt = plots.pyplot()
     figure, axis = plt.subplots(figsize=(7, 5))
@@ -275,18 +301,9 @@ def plot_steps(directory, chosen, batch_sizes, samples, target) -> None:
             label="perfect scaling",
         )
     for (optimizer, arm), by_batch in chosen.items():
-        color, marker = STYLES.get(optimizer, ("tab:gray", "o"))
-        style = "-" if arm == "tuned" else "-."
+        color, _ = STYLES.get(optimizer, ("tab:gray", "o"))
         xs = [b for b in batch_sizes if b in by_batch and by_batch[b]["steps"]]
-        axis.plot(
-            xs,
-            [by_batch[b]["steps"] for b in xs],
-            style,
-            marker=marker,
-            color=color,
-            label=f"{optimizer}, {arm}",
-            markerfacecolor=color if arm == "tuned" else "white",
-        )
+        plot_arm(axis, optimizer, arm, xs, [by_batch[b]["steps"] for b in xs])
         missed = [
             b
             for b in batch_sizes
@@ -295,65 +312,28 @@ def plot_steps(directory, chosen, batch_sizes, samples, target) -> None:
         axis.plot(
             missed, [samples / b for b in missed], "x", color=color, markersize=9, linestyle=""
         )
-    batch_axis(axis, batch_sizes)
     axis.set_yscale("log", base=2)
     axis.yaxis.set_major_formatter(plt.FuncFormatter(lambda y, _: f"{y:g}"))
-    axis.set_xlabel("batch size (sequences)")
-    axis.set_ylabel(f"steps to eval MLM loss <= {target}")
-    axis.set_title("Steps to target (x: not reached within the budget)")
-    axis.legend(fontsize="small")
-    axis.grid(True, which="both", alpha=0.3)
-    figure.tight_layout()
-    plots.save(figure, directory, "steps_to_target.png")
+    ylabel = f"steps to eval MLM loss <= {target}"
+    title = "Steps to target (x: not reached within the budget)"
+    finish(figure, axis, batch_sizes, ylabel, title, directory, "steps_to_target.png")
 
 
 def plot_finals(directory, chosen, batch_sizes) -> None:
-    plt = plots.pyplot()
-    figure, axis = plt.subplots(figsize=(7, 4.5))
+    figure, axis = plots.pyplot().subplots(figsize=(7, 4.5))
     for (optimizer, arm), by_batch in chosen.items():
-        color, marker = STYLES.get(optimizer, ("tab:gray", "o"))
         xs = [b for b in batch_sizes if b in by_batch and by_batch[b]["final"] is not None]
         xs = [b for b in xs if math.isfinite(by_batch[b]["final"])]
-        axis.plot(
-            xs,
-            [by_batch[b]["final"] for b in xs],
-            "-" if arm == "tuned" else "-.",
-            marker=marker,
-            color=color,
-            markerfacecolor=color if arm == "tuned" else "white",
-            label=f"{optimizer}, {arm}",
-        )
-    batch_axis(axis, batch_sizes)
-    axis.set_xlabel("batch size (sequences)")
-    axis.set_ylabel("final eval MLM loss")
-    axis.set_title("Final held-out loss at the same sample budget")
-    axis.legend(fontsize="small")
-    axis.grid(True, which="both", alpha=0.3)
-    figure.tight_layout()
-    plots.save(figure, directory, "final_loss.png")
+        plot_arm(axis, optimizer, arm, xs, [by_batch[b]["final"] for b in xs])
+    title = "Final held-out loss at the same sample budget"
+    finish(figure, axis, batch_sizes, "final eval MLM loss", title, directory, "final_loss.png")
 
 
 def plot_learning_rates(directory, chosen, batch_sizes) -> None:
-    plt = plots.pyplot()
-    figure, axis = plt.subplots(figsize=(7, 4.5))
+    figure, axis = plots.pyplot().subplots(figsize=(7, 4.5))
     for (optimizer, arm), by_batch in chosen.items():
-        color, marker = STYLES.get(optimizer, ("tab:gray", "o"))
         xs = [b for b in batch_sizes if b in by_batch]
-        axis.plot(
-            xs,
-            [by_batch[b]["learning_rate"] for b in xs],
-            "-" if arm == "tuned" else "-.",
-            marker=marker,
-            color=color,
-            markerfacecolor=color if arm == "tuned" else "white",
-            label=f"{optimizer}, {arm}",
-        )
-    batch_axis(axis, batch_sizes)
+        plot_arm(axis, optimizer, arm, xs, [by_batch[b]["learning_rate"] for b in xs])
     axis.set_yscale("log")
-    axis.set_xlabel("batch size (sequences)")
-    axis.set_ylabel("peak learning rate")
-    axis.set_title("Learning rate each arm used (sqrt rule: slope 1/2)")
-    axis.legend(fontsize="small")
-    axis.grid(True, which="both", alpha=0.3)
-    figure.tight_layout()
-    plots.save(figure, directory, "learning_rates.png")
+    title = "Learning rate each arm used (sqrt rule: slope 1/2)"
+    finish(figure, axis, batch_sizes, "peak learning rate", title, directory, "learning_rates.png")
