@@ -117,10 +117,10 @@ def report(args: list[str]) -> None:
         cli.fail(PROGRAM, "report takes one directory: python -m lambjax.sweep report DIR")
     try:
         print(report_text(args[0]))
+    except json.JSONDecodeError as error:  # before ValueError, its base class
+        cli.fail(PROGRAM, f"{args[0]}: a file of the sweep is not valid JSON ({error})")
     except (FileNotFoundError, ValueError) as error:  # no sweep there; an unknown study
         cli.fail(PROGRAM, str(error))
-    except json.JSONDecodeError as error:
-        cli.fail(PROGRAM, f"{args[0]}: a file of the sweep is not valid JSON ({error})")
 
 
 def report_text(directory: str) -> str:

@@ -123,12 +123,13 @@ def test_slurm_job_saves_at_the_time_limit_requeues_and_resumes(data_dir, two_pr
     assert losses(workdir) == two_processes[2]
 
 
-def test_a_killed_process_stops_the_pod(data_dir, tmp_path):
+def test_a_killed_process_stops_the_pod(data_dir, reference, tmp_path):
+    """(`reference`'s single process built phase 1's data: a pod never builds.)"""
     import psutil
 
     workdir = str(tmp_path / "pod")
     launcher = subprocess.Popen(
-        pod(workdir, data_dir, 2, 1, "--config.phases.phase1.num_steps=1000"),
+        pod(workdir, data_dir, 2, 1, OVERRIDES[0], "--config.phases.phase1.num_steps=1000"),
         cwd=REPO,
         env=helpers.environment(1),
         stdout=subprocess.PIPE,

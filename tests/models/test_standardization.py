@@ -83,7 +83,7 @@ def test_it_attaches_to_every_tensor_a_layer_norm_normalized(layer_norm):
     h, loss = encode(params, batch["input_ids"], batch["segment_ids"], batch["input_mask"])
     embeddings = params["embeddings"]
     layer = jax.tree.map(lambda x: x[0], params["encoder"]["layers"])
-    bias = jnp.where(batch["input_mask"][:, None, None, :] > 0, 0.0, -1e9)
+    bias = bert.attention_bias(batch["input_mask"])
 
     def affine(x, norm):
         return x * norm["scale"] + norm["bias"]
