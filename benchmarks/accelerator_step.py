@@ -34,11 +34,16 @@ import os
 import sys
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
-from train_step import HF_DIR, install_hf, median_step_seconds, random_batch
+from train_step import (
+    HF_DIR,
+    hf_pretraining_step,
+    install_hf,
+    median_step_seconds,
+    random_batch,
+)
 
 from lambjax import distributed, xla_flags
 from lambjax.models import attention, bert
@@ -118,7 +123,7 @@ def peer_seconds(preset: str, phase: str, batch_per_device: int, args) -> float:
     if not os.path.isdir(os.path.join(HF_DIR, "transformers")):
         install_hf()
     sys.path.insert(0, HF_DIR)
-    from transformers import BertConfig, FlaxBertForPreTraining
+    from transformers import BertConfig
 
     sizes = bert.PRESETS[preset]
     seq, predictions, _ = PHASES[phase]
@@ -131,36 +136,8 @@ def peer_seconds(preset: str, phase: str, batch_per_device: int, args) -> float:
         hidden_dropout_prob=args.hidden_dropout,
         attention_probs_dropout_prob=args.attention_dropout,
     )
-    model = FlaxBertForPreTraining(config, seed=0, dtype=jnp.bfloat16)
-    optimizer = optax.lamb(1e-3, weight_decay=0.01)
+    step, state = hf_pretraining_step(config, "bfloat16")
     batch = random_batch(batch_per_device, seq, predictions)
-
-    def loss_fn(params, batch, rng):
-        out = model(
-            batch["input_ids"],
-            attention_mask=batch["input_mask"],
-            token_type_ids=batch["segment_ids"],
-            params=params,
-            dropout_rng=rng,
-            train=True,
-        )
-        logits = jnp.take_along_axis(
-            out.prediction_logits, batch["masked_lm_positions"][..., None], axis=1
-        )
-        mlm = optax.softmax_cross_entropy_with_integer_labels(logits, batch["masked_lm_ids"])
-        nsp = optax.softmax_cross_entropy_with_integer_labels(
-            out.seq_relationship_logits, batch["next_sentence_labels"]
-        )
-        return jnp.mean(mlm) + jnp.mean(nsp)
-
-    @functools.partial(jax.jit, donate_argnums=(0,))
-    def step(state, batch, rng):
-        params, opt_state = state
-        grads = jax.grad(loss_fn)(params, batch, rng)
-        updates, opt_state = optimizer.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state
-
-    state = (model.params, optimizer.init(model.params))
     with profiled(args, f"peer_{preset}_{phase}_{batch_per_device}"):
         return median_step_seconds(step, state, batch, jax.random.key(1), args.steps)
 

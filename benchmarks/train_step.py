@@ -124,25 +124,16 @@ def lambjax_step(model, dtype, scan_layers=None):
     return lambda state: train_step(state, batch, rng)[0], state
 
 
-def hf_step(model, dtype):
-    """(step, initial state): HF Flax BERT for pretraining with optax.lamb, on the same batch."""
+def hf_pretraining_step(hf_config, dtype):
+    """(jitted step(state, batch, rng), initial state): transformers' FlaxBertForPreTraining
+    of `hf_config` computing in `dtype`, MLM + NSP losses, optax.lamb; the state is donated."""
     import jax
     import jax.numpy as jnp
     import optax
-    from transformers import BertConfig, FlaxBertForPreTraining
+    from transformers import FlaxBertForPreTraining
 
-    preset, batch_size, seq, predictions = SHAPES[model]
-    sizes = {"tiny": (2, 128, 2, 512), "base": (12, 768, 12, 3072)}[preset]
-    config = BertConfig(
-        vocab_size=VOCAB,
-        num_hidden_layers=sizes[0],
-        hidden_size=sizes[1],
-        num_attention_heads=sizes[2],
-        intermediate_size=sizes[3],
-    )
-    hf_model = FlaxBertForPreTraining(config, seed=0, dtype=jnp.dtype(dtype))
+    hf_model = FlaxBertForPreTraining(hf_config, seed=0, dtype=jnp.dtype(dtype))
     optimizer = optax.lamb(1e-3, weight_decay=0.01)
-    batch = random_batch(batch_size, seq, predictions)
 
     def loss_fn(params, batch, rng):
         out = hf_model(
@@ -169,8 +160,27 @@ def hf_step(model, dtype):
         updates, opt_state = optimizer.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state
 
+    return step, (hf_model.params, optimizer.init(hf_model.params))
+
+
+def hf_step(model, dtype):
+    """(step, initial state): HF Flax BERT for pretraining with optax.lamb, on the same batch."""
+    import jax
+    from transformers import BertConfig
+
+    preset, batch_size, seq, predictions = SHAPES[model]
+    sizes = {"tiny": (2, 128, 2, 512), "base": (12, 768, 12, 3072)}[preset]
+    config = BertConfig(
+        vocab_size=VOCAB,
+        num_hidden_layers=sizes[0],
+        hidden_size=sizes[1],
+        num_attention_heads=sizes[2],
+        intermediate_size=sizes[3],
+    )
+    step, state = hf_pretraining_step(config, dtype)
+    batch = random_batch(batch_size, seq, predictions)
     rng = jax.random.key(1)
-    return lambda state: step(state, batch, rng), (hf_model.params, optimizer.init(hf_model.params))
+    return lambda state: step(state, batch, rng), state
 
 
 # name -> (step builder, compute dtype, malloc setting, needs the .venv-hf packages)
