@@ -63,14 +63,21 @@ class LayerDrop:
         return keep, 1.0 / probabilities
 
 
-def check(settings, phases) -> None:
-    """`config.layer_drop` against the run's phase plans (lambjax.train.plan)."""
+def check_settings(settings) -> None:
+    """`config.layer_drop`'s own values, named by their field."""
     if not settings.enabled:
         return
     if not 0 < settings.theta_bar <= 1:
         raise ValueError(f"config.layer_drop.theta_bar={settings.theta_bar} must lie in (0, 1]")
     if settings.gamma < 0:
         raise ValueError(f"config.layer_drop.gamma={settings.gamma} must be >= 0")
+
+
+def check(settings, phases) -> None:
+    """`config.layer_drop` against the run's phase plans (lambjax.train.plan): PLD's
+    switchable blocks are PreLN."""
+    if not settings.enabled:
+        return
     layer_norm = phases[0].model.layer_norm
     if layer_norm != "pre":
         raise ValueError(

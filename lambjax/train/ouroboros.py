@@ -513,9 +513,8 @@ def _next_buffers(buffers, batch, stage_inputs, received, slot):
     }
 
 
-def check_plan(settings, phases) -> None:
-    """`config.ouroboros` against the run's phase plans (lambjax.train.plan): K against the
-    depth, the mesh (data x stage, stage = K - 1) and the schemes it does not combine with."""
+def check_settings(settings) -> None:
+    """`config.ouroboros`'s own values, named by their field."""
     modules, replay = settings.num_modules, settings.replay
     if not isinstance(modules, int) or modules < 1:
         raise ValueError(f"config.ouroboros.num_modules={modules!r} must be an integer >= 1")
@@ -524,6 +523,13 @@ def check_plan(settings, phases) -> None:
         raise ValueError(f"config.ouroboros.synchronous_steps={warmup!r} must be an integer >= 0")
     if replay not in REPLAYS:
         raise ValueError(f"config.ouroboros.replay={replay!r}; valid: {REPLAYS}")
+
+
+def check_plan(settings, phases) -> None:
+    """`config.ouroboros` against the run's phase plans (lambjax.train.plan): K against the
+    depth, the mesh (data x stage, stage = K - 1) and the schemes it does not combine with.
+    Its own values were checked first (`check_settings`)."""
+    modules = settings.num_modules
     on = modules > 1
     if on and phases[0].layer_drop is not None:
         raise ValueError(

@@ -144,6 +144,10 @@ class RunPlan:
 def resolve(config, *, vocab_size: int, num_devices: int, process_count: int = 1) -> RunPlan:
     """The run plan of `config`, checked; raises ConfigError naming the first bad field."""
     _check_run(config, process_count)
+    _check_features(  # the variants' own settings, before the phase plans hold them
+        lambda: layer_drop.check_settings(config.layer_drop),
+        lambda: ouroboros.check_settings(config.ouroboros),
+    )
     phases, previous, step_offset = [], None, 0
     for index, name in enumerate(config.phase_order):
         phase = _phase(
@@ -151,7 +155,12 @@ def resolve(config, *, vocab_size: int, num_devices: int, process_count: int = 1
         )
         phases.append(phase)
         previous, step_offset = phase, step_offset + phase.num_steps
-    _check_features(config, phases)
+    _check_features(  # the variants against the phase plans
+        lambda: layer_drop.check(config.layer_drop, phases),
+        lambda: standardization.check(config.standardization_loss.weight, phases),
+        lambda: stacking.check(phases),
+        lambda: ouroboros.check_plan(config.ouroboros, phases),
+    )
     return RunPlan(
         phases=tuple(phases),
         seed=config.seed,
@@ -171,14 +180,9 @@ def resolve(config, *, vocab_size: int, num_devices: int, process_count: int = 1
     )
 
 
-def _check_features(config, phases: list[PhasePlan]) -> None:
-    """The variants' checks, each in its feature's module."""
-    checks = (
-        lambda: layer_drop.check(config.layer_drop, phases),
-        lambda: standardization.check(config.standardization_loss.weight, phases),
-        lambda: stacking.check(phases),
-        lambda: ouroboros.check_plan(config.ouroboros, phases),
-    )
+def _check_features(*checks) -> None:
+    """Runs the variants' checks, each in its feature's module; their ValueErrors, which
+    name the config field, become ConfigErrors."""
     for check in checks:
         try:
             check()
@@ -253,23 +257,16 @@ def _phase(
         num_frozen_layers=phase.frozen_layers,
         layer_drop=(
             layer_drop.LayerDrop(drop.theta_bar, drop.gamma, step_offset=step_offset)
-            if drop.enabled and _layer_drop_valid(drop)
+            if drop.enabled
             else None
         ),
         nsp_loss_weight=1.0 if config.data.next_sentence_prediction else 0.0,
         standardization_loss_weight=config.standardization_loss.weight,
         pipeline=(
-            PipelinePlan(**config.ouroboros.to_dict())
-            if isinstance(config.ouroboros.num_modules, int) and config.ouroboros.num_modules > 1
-            else None
+            PipelinePlan(**config.ouroboros.to_dict()) if config.ouroboros.num_modules > 1 else None
         ),
         previous=previous,
     )
-
-
-def _layer_drop_valid(drop) -> bool:
-    """Whether LayerDrop can hold these settings (layer_drop.check names the bad field)."""
-    return 0 < drop.theta_bar <= 1 and drop.gamma >= 0
 
 
 def _check_phase_fields(phase, where: str) -> None:
