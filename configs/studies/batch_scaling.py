@@ -61,8 +61,7 @@ SIZES = {
         # AdamW is tuned at every batch size; LAMB and LANS follow the rule from the declared
         # base (multiplier 1: the demo's learning rate), their grid run at B0 as a check.
         # (The full grid for all three is `tuned=OPTIMIZERS`: 60 trials, about twice the
-        # time; it was cut to this for the measured run because the shared machine was
-        # loaded 5x, before any trial beyond batch 32 had run.)
+        # time.)
         tuned=("adamw",),
         rule_multipliers=dict(lamb=1.0, lans=1.0),
         # Repeats of multiplier 1 with another seed, at one batch size: the noise band.
