@@ -133,7 +133,10 @@ def test_recipes_match_the_published_numbers():
     lans = load(os.path.join(CONFIG_DIR, "bert_lans.py"), "large")
     assert lans.optimizer.name == "lans"
     assert lans.phases.phase1.global_batch_size == 98304
-    assert lans.phases.phase2.global_batch_size == 32768
+    # The paper's "96K" and "33K" with K = 1,024 (LAMB's "32K" is 32,768): whole numbers of
+    # sequences on each of its 1,536 GPUs, 64 and 22.
+    assert lans.phases.phase1.global_batch_size == 98304 == 96 * 1024
+    assert lans.phases.phase2.global_batch_size == 33792 == 33 * 1024
     assert lans.phases.phase1.schedule == "warmup_constant_decay"
 
 
@@ -236,9 +239,10 @@ def accumulation(config, num_devices):
         ("bert_lamb.py", 256, [4, 16]),
         ("bert_lamb.py", 512, [2, 8]),
         ("bert_lamb.py", 4, [256, 1024]),
-        ("bert_lans.py", 16, [96, 256]),
-        ("bert_lans.py", 256, [6, 16]),
-        ("bert_lans.py", 512, [3, 8]),
+        ("bert_lans.py", 16, [96, 192]),
+        ("bert_lans.py", 256, [6, 12]),
+        ("bert_lans.py", 512, [3, 6]),
+        ("bert_lans.py", 1536, [1, 2]),  # the LANS paper's 192 x 8 GPUs
     ],
 )
 def test_recipes_derive_their_accumulation_from_the_device_count(recipe, devices, expected):
@@ -247,7 +251,7 @@ def test_recipes_derive_their_accumulation_from_the_device_count(recipe, devices
     for name, steps in zip(config.phase_order, expected, strict=True):
         phase = config.phases[name]
         per_device = phase.global_batch_size // (steps * devices)
-        assert per_device == phase.micro_batch_per_device  # 64 (seq 128) and 8 (seq 512)
+        assert per_device == phase.micro_batch_per_device  # 64 (seq 128), 8 or 11 (seq 512)
 
 
 def test_explicit_grad_accum_steps_wins_over_micro_batch_per_device():
