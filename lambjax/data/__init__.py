@@ -41,6 +41,12 @@ def default_config() -> ml_collections.ConfigDict:
             "next_sentence_prediction": True,
             "short_seq_prob": 0.1,
             "masked_lm_prob": 0.15,
+            # Training rows of several whole examples each, up to packing_max_examples, with
+            # per-example attention, positions and NSP (lambjax.data.packing): a phase's
+            # global_batch_size then counts rows, and a row holds more than one example on
+            # average. Held-out evaluation reads one example per row either way.
+            "packing": False,
+            "packing_max_examples": 3,
             "validation_fraction": 0.05,  # of documents, held out whole
             "build_seed": 12345,
             # The unit of work of the build (lambjax.prepare): a text file larger than this

@@ -6,6 +6,9 @@ Process p of P reads rows [p*b, (p+1)*b) of every global batch, b = global_batch
 so the global batch at step s is the same examples in the same order on any topology. The
 iterator's state is the number of batches consumed: a resumed run (on any number of
 processes) continues with exactly the batches an uninterrupted one would see.
+
+With `packing` (lambjax.data.packing), the unit an epoch permutes and a batch's row holds is
+a planned row of several examples instead of one example; the rest is the same.
 """
 
 import grain
@@ -13,6 +16,7 @@ import numpy as np
 from tensorflow.core.example import example_pb2
 
 from lambjax.data import masking
+from lambjax.data import packing as packing_lib
 from lambjax.data.builder import Prepared
 from lambjax.data.sources import DataError
 
@@ -58,10 +62,12 @@ def make_iterator(
     process_count: int = 1,
     num_epochs: int | None = None,
     read_threads: int = 2,
+    packing: packing_lib.Packing | None = None,
 ) -> BatchIterator:
     """An iterator over this process's rows of each global batch (see module docstring).
 
     `read_threads` threads read examples ahead of the consumer (0: synchronous reads).
+    `packing`: rows of several examples each (lambjax.data.packing); None: one per row.
     """
     if split not in prepared.data_sources:
         raise DataError(f"split {split!r} was not built; available: {list(prepared.data_sources)}")
@@ -80,6 +86,7 @@ def make_iterator(
         process_index=process_index,
         seed=seed,
         options=masking_options(prepared, max_predictions_per_seq),
+        packing=packing,
     )
     epochs = _UNBOUNDED_EPOCHS if num_epochs is None else num_epochs
     num_batches = reader.batches_per_epoch * epochs
@@ -110,7 +117,12 @@ def masking_options(prepared: Prepared, max_predictions_per_seq: int) -> masking
 
 
 class _BatchReader:
-    """Reads, pads and masks this process's rows of global batch `step` of one split."""
+    """Reads, pads (or packs) and masks this process's rows of global batch `step` of one
+    split.
+
+    The unit an epoch permutes is an example, or with packing a planned row of examples
+    (`units`: [rows, max examples] example indices, -1 for an empty slot).
+    """
 
     def __init__(
         self,
@@ -122,19 +134,31 @@ class _BatchReader:
         process_index: int,
         seed: int,
         options: masking.MaskingOptions,
+        packing: packing_lib.Packing | None = None,
     ):
         source = prepared.data_sources[split]
         self.records = source.data_source  # the ArrayRecord reader under the TFDS source
-        self.num_examples = len(source)
-        self.batches_per_epoch = self.num_examples // global_batch_size
+        self.seq_len = prepared.max_seq_length
+        self.units = None
+        if packing is not None:
+            lengths = example_lengths(self.records)
+            self.units = packing_lib.plan_rows(
+                lengths,
+                packing_lib.most_predictions(lengths, options),
+                max_seq_length=self.seq_len,
+                max_predictions=options.max_predictions_per_seq,
+                max_examples_per_row=packing.max_examples_per_row,
+                seed=seed,
+            )
+        self.num_units = len(source) if self.units is None else len(self.units)
+        self.batches_per_epoch = self.num_units // global_batch_size
         self.global_batch_size, self.local_batch_size = global_batch_size, local_batch_size
         self.process_index, self.seed, self.options = process_index, seed, options
-        self.seq_len = prepared.max_seq_length
         self.pad_id = prepared.special_ids["pad"]
         self.permutations: dict[int, np.ndarray] = {}
 
     def rows_of(self, step: int) -> tuple[np.ndarray, np.ndarray]:
-        """(epoch, example index) of this process's rows of global batch `step`."""
+        """(epoch, unit index) of this process's rows of global batch `step`."""
         local_batch = self.local_batch_size
         first = step * self.global_batch_size + self.process_index * local_batch
         positions = np.arange(first, first + local_batch)
@@ -145,18 +169,30 @@ class _BatchReader:
                 if len(self.permutations) > 1:
                     self.permutations.clear()  # an epoch or two at a time is enough
                 rng = np.random.default_rng([self.seed, epoch])
-                self.permutations[epoch] = rng.permutation(self.num_examples)
+                self.permutations[epoch] = rng.permutation(self.num_units)
             rows = epochs == epoch
             indices[rows] = self.permutations[epoch][offsets[rows]]
         return epochs, indices
 
     def read_batch(self, step: int) -> dict:
         epochs, indices = self.rows_of(step)
-        local_batch, seq_len = self.local_batch_size, self.seq_len
-        ids = np.full((local_batch, seq_len), self.pad_id, np.int32)
-        segments = np.zeros((local_batch, seq_len), np.int32)
-        lengths = np.zeros(local_batch, np.int64)
-        labels = np.zeros(local_batch, np.int32)
+        if self.units is None:
+            return self.read_examples(epochs, indices)
+        table = self.units[indices]
+        filled = table >= 0
+        epochs = np.broadcast_to(epochs[:, None], table.shape)[filled]
+        examples = self.read_examples(epochs, table[filled], with_lengths=True)
+        return packing_lib.assemble(
+            examples, table, self.seq_len, self.options.max_predictions_per_seq
+        )
+
+    def read_examples(self, epochs, indices, with_lengths: bool = False) -> dict:
+        """Examples `indices` (read in `epochs`), padded and masked, one per row."""
+        count, seq_len = len(indices), self.seq_len
+        ids = np.full((count, seq_len), self.pad_id, np.int32)
+        segments = np.zeros((count, seq_len), np.int32)
+        lengths = np.zeros(count, np.int64)
+        labels = np.zeros(count, np.int32)
         # One batched ArrayRecord read, then a protobuf parse per example: TFDS's generic
         # per-example decoding would cost several times more than everything else here.
         for row, record in enumerate(self.records.__getitems__(indices.tolist())):
@@ -173,4 +209,16 @@ class _BatchReader:
             "input_mask": input_mask,
             "segment_ids": segments,
             "next_sentence_labels": labels,
+            **({"lengths": lengths} if with_lengths else {}),
         }
+
+
+def example_lengths(records, chunk: int = 4096) -> np.ndarray:
+    """The number of tokens of every example of an ArrayRecord reader (one pass over it)."""
+    lengths = np.zeros(len(records), np.int64)
+    for start in range(0, len(records), chunk):
+        batch = records.__getitems__(list(range(start, min(start + chunk, len(records)))))
+        for offset, record in enumerate(batch):
+            feature = example_pb2.Example.FromString(record).features.feature
+            lengths[start + offset] = len(feature["input_ids"].int64_list.value)
+    return lengths

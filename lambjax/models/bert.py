@@ -176,7 +176,9 @@ class Embeddings(nn.Module):
     config: BertConfig
 
     @nn.compact
-    def __call__(self, input_ids, segment_ids, deterministic: bool, token_mask=None):
+    def __call__(
+        self, input_ids, segment_ids, deterministic: bool, token_mask=None, positions=None
+    ):
         c = self.config
 
         def embed(num, names, name):
@@ -192,7 +194,8 @@ class Embeddings(nn.Module):
                 name=name,
             )
 
-        positions = jnp.arange(input_ids.shape[1])[None]
+        if positions is None:  # one example per row; packed rows restart at each example
+            positions = jnp.arange(input_ids.shape[1])[None]
         h = (
             embed(c.vocab_size, ("vocab", "embed"), "word")(input_ids)
             + embed(c.max_position_embeddings, ("position", "embed"), "position")(positions)
@@ -267,14 +270,23 @@ class Layer(nn.Module):
 
 
 class Heads(nn.Module):
-    """Pooler + NSP classifier, and the MLM head on the gathered masked positions."""
+    """Pooler + NSP classifier, and the MLM head on the gathered masked positions.
+
+    The NSP logits are [B, 2] from each row's first token, or, given `cls_positions`
+    [B, M] (packed rows, lambjax.data.packing), [B * M, 2] from each example's [CLS].
+    """
 
     config: BertConfig
 
     @nn.compact
-    def __call__(self, h, masked_lm_positions, word_embeddings):
+    def __call__(self, h, masked_lm_positions, word_embeddings, cls_positions=None):
         c = self.config
-        pooled = jnp.tanh(dense(c, c.hidden_size, ("embed", "mlp"), "pooler")(h[:, 0]))
+        if cls_positions is None:
+            first = h[:, 0]
+        else:
+            first = jnp.take_along_axis(h, cls_positions[..., None], axis=1)
+            first = first.reshape(-1, h.shape[-1])
+        pooled = jnp.tanh(dense(c, c.hidden_size, ("embed", "mlp"), "pooler")(first))
         nsp_logits = dense(c, 2, ("embed", "classes"), "nsp")(pooled)
         # Gather first: the MLM head runs on P masked positions, not all S tokens.
         x = jnp.take_along_axis(h, masked_lm_positions[..., None], axis=1)
@@ -361,9 +373,12 @@ def param_logical_axes(config: BertConfig) -> dict:
 # Forward
 
 
-def attention_bias(input_mask) -> attention.AttentionMask:
-    """Which keys each query attends to: every token (`input_mask` > 0) and no padded key
+def attention_bias(input_mask, example_ids=None) -> attention.AttentionMask:
+    """Which keys each query attends to: every token (`input_mask` > 0) and no padded key,
+    or, given `example_ids` (packed rows), the tokens of its own example
     (lambjax.models.attention.AttentionMask, which each attention form reads its own way)."""
+    if example_ids is not None:
+        return attention.AttentionMask(segment_ids=example_ids, packed=True)
     return attention.AttentionMask.from_input_mask(input_mask)
 
 
@@ -458,10 +473,15 @@ def encoder_outputs_and_standardization_loss(
     layer_scale=None,
     num_frozen_layers: int = 0,
     standardization_loss: bool = False,
+    positions=None,
+    example_ids=None,
 ):
     """(Last hidden states [B, S, H] (after PreLN's final LayerNorm), the summed
     standardization loss of every AffineNorm's input over the unpadded tokens; 0 unless
-    `standardization_loss` and the model has normalization='none')."""
+    `standardization_loss` and the model has normalization='none').
+
+    Packed rows (lambjax.data.packing) give each token's `positions` in its example and its
+    `example_ids`; a token then attends only to its own example's tokens."""
     deterministic = dropout_rng is None
     if not deterministic:
         embeddings_rng, dropout_rng = jax.random.split(dropout_rng)
@@ -473,11 +493,12 @@ def encoder_outputs_and_standardization_loss(
         segment_ids,
         deterministic,
         token_mask,
+        positions,
         rngs=rngs,
         mutable=["losses"],
     )
     total = standardization.sown_total(variables)
-    bias = attention_bias(input_mask)
+    bias = attention_bias(input_mask, example_ids)
     layers = params["encoder"]["layers"]
     n = num_frozen_layers
     if not 0 <= n <= config.num_layers:

@@ -2,7 +2,9 @@
 
 `pretraining_stats` returns sums (not means) over a batch, so a caller can add
 micro-batches up exactly and normalise by counts over the global batch
-(lambjax.train.step).
+(lambjax.train.step). A batch of packed rows (lambjax.data.packing) gives the same sums
+as its examples unpacked: the MLM terms are per token, the NSP terms per example (its
+`nsp_weights` leave the empty slots out).
 """
 
 from typing import Any
@@ -17,14 +19,17 @@ from lambjax.models.bert import BertConfig
 def _vocab_major_logits_and_standardization_loss(
     config: BertConfig, params: dict, batch: dict, **encoder_kwargs
 ):
-    """(MLM logits [V, B * P] at the masked positions, NSP logits [B, 2]), float32, and the
-    encoder's standardization loss (bert.encoder_outputs_and_standardization_loss)."""
+    """(MLM logits [V, B * P] at the masked positions, NSP logits [B, 2], or [B * M, 2]
+    for packed rows), float32, and the encoder's standardization loss
+    (bert.encoder_outputs_and_standardization_loss)."""
     h, standardization_loss = bert.encoder_outputs_and_standardization_loss(
         config,
         params,
         batch["input_ids"],
         batch["segment_ids"],
         batch["input_mask"],
+        positions=batch.get("positions"),
+        example_ids=batch.get("example_ids"),
         **encoder_kwargs,
     )
     logits = bert.Heads(config).apply(
@@ -32,6 +37,7 @@ def _vocab_major_logits_and_standardization_loss(
         h,
         batch["masked_lm_positions"],
         params["embeddings"]["word"]["embedding"],
+        batch.get("cls_positions"),
     )
     return logits, standardization_loss
 
@@ -42,7 +48,8 @@ def _vocab_major_logits(config: BertConfig, params: dict, batch: dict, **encoder
 
 
 def pretraining_logits(config: BertConfig, params: dict, batch: dict, **encoder_kwargs):
-    """(MLM logits [B, P, V] at the masked positions, NSP logits [B, 2]), float32."""
+    """(MLM logits [B, P, V] at the masked positions, NSP logits [B, 2], or [B * M, 2] for
+    packed rows), float32."""
     mlm_logits, nsp_logits = _vocab_major_logits(config, params, batch, **encoder_kwargs)
     shape = batch["masked_lm_positions"].shape + (config.vocab_size,)
     return mlm_logits.T.reshape(shape), nsp_logits
@@ -97,17 +104,25 @@ def pretraining_stats(
 
 def stats_from_logits(mlm_logits, nsp_logits, batch: dict) -> dict[str, Any]:
     """`pretraining_stats` from the heads' outputs: vocabulary-major MLM logits [V, B * P]
-    and NSP logits [B, 2]."""
+    and NSP logits [B, 2] (packed rows: [B * M, 2], weighted by `nsp_weights`)."""
     weights = batch["masked_lm_weights"].astype(jnp.float32).reshape(-1)
     mlm_nll, mlm_hits = _cross_entropy(mlm_logits, batch["masked_lm_ids"].reshape(-1), axis=0)
     nsp_nll, nsp_hits = _cross_entropy(
         nsp_logits, batch["next_sentence_labels"].reshape(-1), axis=-1
     )
+    nsp_weights = nsp_example_weights(batch).reshape(-1)
     return {
         "mlm_loss_sum": jnp.sum(mlm_nll * weights),
         "mlm_weight_sum": jnp.sum(weights),
         "mlm_correct_sum": jnp.sum(mlm_hits * weights),
-        "nsp_loss_sum": jnp.sum(nsp_nll),
-        "nsp_correct_sum": jnp.sum(nsp_hits),
-        "nsp_count": jnp.float32(nsp_nll.shape[0]),
+        "nsp_loss_sum": jnp.sum(nsp_nll * nsp_weights),
+        "nsp_correct_sum": jnp.sum(nsp_hits * nsp_weights),
+        "nsp_count": jnp.sum(nsp_weights),
     }
+
+
+def nsp_example_weights(batch: dict) -> jax.Array:
+    """1 per example of `batch` (each row, or each filled slot of a packed row), float32."""
+    if "nsp_weights" in batch:
+        return batch["nsp_weights"].astype(jnp.float32)
+    return jnp.ones(batch["next_sentence_labels"].shape, jnp.float32)

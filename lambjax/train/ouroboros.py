@@ -541,6 +541,11 @@ def check_plan(settings, phases) -> None:
             "config.ouroboros.num_modules > 1 with config.standardization_loss.weight > 0: "
             "the pipeline carries no standardization loss; turn one of them off"
         )
+    if on and any(phase.packing is not None for phase in phases):
+        raise ValueError(
+            "config.ouroboros.num_modules > 1 and config.data.packing=True: the pipelined step "
+            "reads one example per row; turn one of them off"
+        )
     for phase in phases:
         where, mesh = f"config.phases.{phase.name}", dict(phase.mesh)
         if not on:

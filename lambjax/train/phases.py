@@ -148,7 +148,9 @@ class Phase:
         )
 
     def batches(self, split: str, global_batch_size: int, seed: int, **kwargs):
-        """An iterator over this process's rows of every global batch of `split`."""
+        """An iterator over this process's rows of every global batch of `split`. Only the
+        training split is packed (where the plan packs): the held-out metrics are then over
+        the same examples, one per row, with packing or without."""
         return data_lib.make_iterator(
             self.prepared,
             split=split,
@@ -157,6 +159,7 @@ class Phase:
             seed=seed,
             process_index=jax.process_index(),
             process_count=jax.process_count(),
+            packing=self.plan.packing if split == "train" else None,
             **kwargs,
         )
 

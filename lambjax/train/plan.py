@@ -11,8 +11,8 @@ Checks live beside their feature and are collected here, in one pass, before any
 built: the run's and the phases' own fields below; progressive layer dropping in
 lambjax.train.layer_drop; multi-stage layerwise training in lambjax.train.stacking; the
 standardization loss in lambjax.models.standardization; Ouroboros in
-lambjax.train.ouroboros. Each raises `ConfigError` (a ValueError) naming the field, the
-value and what would be valid.
+lambjax.train.ouroboros; packing in lambjax.data.packing. Each raises `ConfigError` (a
+ValueError) naming the field, the value and what would be valid.
 """
 
 import dataclasses
@@ -22,6 +22,7 @@ import jax
 import ml_collections
 
 from lambjax import sharding
+from lambjax.data import packing as packing_lib
 from lambjax.models import attention, bert, standardization
 from lambjax.train import layer_drop, ouroboros, stacking
 from lambjax.train.config import (
@@ -112,6 +113,7 @@ class PhasePlan:
     nsp_loss_weight: float  # 0 without next-sentence prediction
     standardization_loss_weight: float  # 0: off
     pipeline: PipelinePlan | None
+    packing: packing_lib.Packing | None  # training rows of several examples; None: one
     previous: "PhasePlan | None"  # the phase before, whose final state this one starts from
 
 
@@ -265,6 +267,7 @@ def _phase(
         pipeline=(
             PipelinePlan(**config.ouroboros.to_dict()) if config.ouroboros.num_modules > 1 else None
         ),
+        packing=_packing(config.data, phase.max_seq_length),
         previous=previous,
     )
 
@@ -292,6 +295,15 @@ def _check_phase_fields(phase, where: str) -> None:
             f"{where}.optimizer_state={phase.optimizer_state!r}; "
             f"valid: {OPTIMIZER_STATE_AT_PHASE_START}"
         )
+
+
+def _packing(data_config, max_seq_length: int) -> packing_lib.Packing | None:
+    try:
+        return packing_lib.resolve(
+            data_config.packing, data_config.packing_max_examples, max_seq_length
+        )
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
 
 
 def _overrides(fields: ml_collections.ConfigDict) -> dict:

@@ -148,7 +148,7 @@ def train_step(
 ) -> tuple[TrainState, dict]:
     """One optimizer step on one global batch. Returns the new state and scalar metrics."""
     mlm_total = jnp.maximum(jnp.sum(batch["masked_lm_weights"].astype(jnp.float32)), 1e-9)
-    nsp_total = jnp.float32(batch["input_ids"].shape[0])
+    nsp_total = jnp.maximum(jnp.sum(pretraining.nsp_example_weights(batch)), 1.0)
     step_rng = jax.random.fold_in(rng, state.step)
     trainable, frozen = stacking.split(state.params, num_frozen_layers)
     stat_keys = STAT_KEYS + (("layers_run_sum",) if layer_drop else ())

@@ -135,15 +135,26 @@ def test_kernels_refuse_attention_dropout_and_other_platforms():
 # The train step lowered for the accelerators
 
 
-def lowered_train_step(config, platform, seq=128):
+def packed_batch(seq=128, batch=4, slots=3):
+    """A batch with the features of packed rows (lambjax.data.packing); for its shapes."""
+    rows = random_batch(batch=batch, seq=seq)
+    return rows | {
+        "positions": np.zeros((batch, seq), np.int32),
+        "example_ids": np.ones((batch, seq), np.int32),
+        "cls_positions": np.zeros((batch, slots), np.int32),
+        "next_sentence_labels": np.zeros((batch, slots), np.int32),
+        "nsp_weights": np.ones((batch, slots), np.float32),
+    }
+
+
+def lowered_train_step(config, platform, seq=128, packed=False):
     optimizer = make_optimizer(optimizer_config("lamb"), optax.constant_schedule(1e-3))
     state = jax.eval_shape(
         lambda key: TrainState.create(bert.init_params(config, key), optimizer),
         jax.random.key(0),
     )
-    batch = jax.tree.map(
-        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), random_batch(batch=4, seq=seq)
-    )
+    rows = packed_batch(seq) if packed else random_batch(batch=4, seq=seq)
+    batch = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), rows)
     step = functools.partial(
         step_lib.train_step,
         model_config=config,
@@ -172,6 +183,17 @@ def test_train_step_lowers_to_cudnn_fused_attention(cudnn_version_check_passes, 
     calls = 1 if scan_layers else config.num_layers  # one per layer, or one in the scan body
     assert (len(forward), len(backward)) == (calls, calls), (forward, backward)
     assert "dot_general" in text and "bhqk" not in text
+
+
+def test_packed_rows_reach_cudnn_as_a_bias(cudnn_version_check_passes):
+    """jax.nn.dot_product_attention takes padding as lengths only; packed rows go in as a
+    [B, 1, S, S] mask, which it hands cuDNN as an additive bias (with its gradient)."""
+    config = bert.BertConfig.preset(
+        "tiny", vocab_size=128, attention="cudnn", attention_dropout=0.0, scan_layers=False
+    )
+    text = lowered_train_step(config, "cuda", packed=True)
+    forward = re.findall(r'custom_call @"?__cudnn\$fmha(\w*)Softmax"?\(', text)
+    assert forward and all("Bias" in name for name in forward), forward
 
 
 def test_train_step_lowers_to_splash_kernels():

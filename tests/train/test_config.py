@@ -198,6 +198,19 @@ def test_layer_drop_needs_preln_and_valid_settings():
         validate(config, num_devices=1)
 
 
+def test_packing_is_resolved_per_phase_and_checked():
+    config = default()
+    assert all(phase.packing is None for phase in validate(config, num_devices=1).phases)
+    config.data.packing = True
+    plan = validate(config, num_devices=1)
+    assert [phase.packing.max_examples_per_row for phase in plan.phases] == [3, 3]
+    config.data.packing_max_examples = 65
+    with pytest.raises(
+        config_lib.ConfigError, match=r"packing_max_examples=65 must be an integer in \[2, 64\]"
+    ):
+        validate(config, num_devices=1)
+
+
 def test_bad_top_level_configs_name_the_value():
     config = default()
     config.optimizer.name = "sgd"

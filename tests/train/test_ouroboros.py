@@ -346,6 +346,7 @@ def test_a_bad_ouroboros_setting_ends_with_one_line(tmp_path, data_dir):
         ({"ouroboros.num_modules": 1}, "mesh stage=2 splits the encoder into pipeline stages"),
         ({"mesh.fsdp": 2, "mesh.data": 1}, "and fsdp=tensor=1, but the mesh is"),
         ({"layer_drop.enabled": True, "model.overrides.layer_norm": "pre"}, "turn one of them off"),
+        ({"data.packing": True}, "config.data.packing=True: the pipelined step reads one"),
         (
             {"phases.phase1.frozen_layers": 1, "phases.phase2.frozen_layers": 1},
             "trains every layer",
