@@ -11,8 +11,8 @@ Checks live beside their feature and are collected here, in one pass, before any
 built: the run's and the phases' own fields below; progressive layer dropping in
 lambjax.train.layer_drop; multi-stage layerwise training in lambjax.train.stacking; the
 standardization loss in lambjax.models.standardization; Ouroboros in
-lambjax.train.ouroboros; the PRNG implementation in lambjax.train.prng. Each raises `ConfigError` (a ValueError) naming the field, the
-value and what would be valid.
+lambjax.train.ouroboros; the PRNG implementation in lambjax.train.prng. Each raises
+`ConfigError` (a ValueError) naming the field, the value and what would be valid.
 """
 
 import dataclasses

@@ -15,7 +15,7 @@ parameters for every choice), and nothing else in the process is changed, as set
   approximations of threefry's; the fastest.
 
 What each keeps (tests/train/test_runs.py, on XLA:CPU): a run resumes bitwise with each,
-and gives the same losses on 1, 2 and 4 devices with each (docs/guide/training.md).
+and gives the same losses on 1, 2 and 4 devices with each (docs/guide/configs.md).
 """
 
 import jax

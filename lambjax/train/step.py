@@ -101,9 +101,9 @@ def apply_if_finite(
     """The optimizer update, or none at all where the loss or the gradient is not finite.
 
     A skipped step leaves parameters and optimizer state untouched and counts in
-    `consecutive_nonfinite` / `total_nonfinite`. Returns the new state and its metrics: the
-    norms of `update_norms` (0 for the update and the optimizer's own norms on a skipped
-    step) and `nonfinite`.
+    `consecutive_nonfinite` / `total_nonfinite`. Returns the new state and its metrics:
+    `grad_norm` (of `grads`, the gradient the optimizer is given, before any clipping),
+    the norms of `update_norms` (the update's is 0 on a skipped step) and `nonfinite`.
     """
     trainable, frozen = stacking.split(state.params, num_frozen_layers)
     # The finiteness test needs the gradient's norm before the update. The optimizer is
@@ -117,11 +117,11 @@ def apply_if_finite(
     def apply_update(_):
         updates, opt_state = update(grads, state.opt_state, trainable, grad_norm=grad_norm)
         params = stacking.merge(optax.apply_updates(trainable, updates), frozen)
-        return params, opt_state, update_norms(grad_norm, trainable, updates, opt_state)
+        return params, opt_state, update_norms(trainable, updates, opt_state)
 
     def skip_update(_):
-        zero = jnp.zeros((), jnp.float32)
-        return state.params, state.opt_state, {"param_norm": zero, "update_norm": zero}
+        norms = {"param_norm": optax.global_norm(trainable), "update_norm": jnp.float32(0.0)}
+        return state.params, state.opt_state, norms
 
     # A cond, not a select: only the taken branch runs, so a normal step costs no extra pass.
     params, opt_state, norms = jax.lax.cond(finite, apply_update, skip_update, None)
@@ -138,15 +138,13 @@ def apply_if_finite(
     return new_state, metrics
 
 
-def update_norms(grad_norm, trainable, updates, opt_state) -> dict:
+def update_norms(trainable, updates, opt_state) -> dict:
     """`param_norm` (of the trainable parameters before the update) and `update_norm` (of
     `updates`): the norms the optimizer measured on its way where it did (`optim.last_norms`:
     LAMB and LANS compute per-tensor norms for their trust ratios), one pass over the
-    tensors each otherwise (AdamW). A gradient norm the optimizer measured equals
-    `grad_norm` (both of the gradient it is given) and is not computed again.
+    tensors each otherwise (AdamW: both; LANS: the update's).
     """
     norms = optim.last_norms(opt_state)
-    norms.pop("grad_norm", None)
     if "param_norm" not in norms:
         norms["param_norm"] = optax.global_norm(trainable)
     if "update_norm" not in norms:

@@ -75,7 +75,8 @@ def test_nonfinite_step_is_skipped_and_counted(optimizer):
     batch = random_batch()
     batch["masked_lm_weights"] = batch["masked_lm_weights"] * np.float32("nan")
     state, metrics = jitted_step(optimizer, 1)(state, batch, jax.random.key(1))
-    assert metrics["nonfinite"] == 1.0
+    assert metrics["nonfinite"] == 1.0 and metrics["update_norm"] == 0.0
+    assert float(metrics["param_norm"]) == pytest.approx(f64_norm(before), rel=1e-6)
     assert int(state.consecutive_nonfinite) == 1 and int(state.total_nonfinite) == 1
     assert int(state.step) == 1
     for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(state.params), strict=True):
