@@ -56,5 +56,5 @@ def lamb(
             stacked_layers=stacked_layers,
             param_norm_bounds=param_norm_bounds,
         ),
-        optax.scale_by_learning_rate(learning_rate),
+        transforms.scale_by_learning_rate(learning_rate),
     )

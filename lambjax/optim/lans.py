@@ -44,5 +44,5 @@ def lans(
             param_norm_bounds=param_norm_bounds,
             bias_correction=bias_correction,
         ),
-        optax.scale_by_learning_rate(learning_rate),
+        transforms.scale_by_learning_rate(learning_rate),
     )

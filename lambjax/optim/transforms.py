@@ -69,6 +69,17 @@ def tensor_sq_norms(x: jax.Array, stacked: bool) -> jax.Array:
     return jnp.dot(flat, flat)
 
 
+def global_norm_of_sq_norms(sq_norms) -> jax.Array:
+    """sqrt of the sum of a tree of squared per-tensor (per-slice) norms: the global norm.
+
+    The barrier keeps XLA from folding the sum over a stacked leaf's slices into their dot
+    product: it would square the whole tensor into a written-out temporary and reduce that
+    (1.5 parameter-sized passes more for LAMB on XLA:CPU).
+    """
+    sq_norms = jax.lax.optimization_barrier(jax.tree.leaves(sq_norms))
+    return jnp.sqrt(sum(jnp.sum(x) for x in sq_norms))
+
+
 def broadcast_per_tensor(values: jax.Array, x: jax.Array) -> jax.Array:
     """[L] per-slice values -> broadcastable against the stacked tensor x."""
     if values.ndim == 0:
@@ -111,22 +122,28 @@ def _check_bounds(bounds, argument: str):
 # Global gradient-norm clipping
 
 
-def clip_by_global_norm(max_norm: float) -> optax.GradientTransformation:
+def clip_by_global_norm(max_norm: float) -> optax.GradientTransformationExtraArgs:
     """g -> g * min(1, max_norm / ||g||), ||g|| the norm of all leaves together.
 
     What `optax.clip_by_global_norm` computes, as one multiplication by a scalar: XLA then
     fuses the clipped gradient into each consumer (the two Adam moments) instead of
     writing it out (optax divides every element, which XLA:CPU materialises).
+
+    A caller that has ||g|| already passes it as `update(..., grad_norm=...)` (an optax
+    extra argument, handed on by `optax.chain`; lambjax's train step has, for its
+    finiteness test), and it is not computed again. It must be the norm of the updates
+    this transform receives: the gradient, where the clip comes first in its chain.
     """
     if not is_traced(max_norm) and max_norm <= 0:
         raise ValueError(f"max_norm={max_norm} must be > 0")
 
-    def update_fn(updates, state, params=None):
-        del params
-        scale = jnp.minimum(1.0, max_norm / otu.tree_norm(updates))  # 1 for a zero norm
+    def update_fn(updates, state, params=None, *, grad_norm=None, **extra_args):
+        del params, extra_args
+        norm = otu.tree_norm(updates) if grad_norm is None else grad_norm
+        scale = jnp.minimum(1.0, max_norm / norm)  # 1 for a zero norm
         return jax.tree.map(lambda g: g * scale.astype(g.dtype), updates), state
 
-    return optax.GradientTransformation(optax.init_empty_state, update_fn)
+    return optax.GradientTransformationExtraArgs(optax.init_empty_state, update_fn)
 
 
 def optional_clip_by_global_norm(max_norm: float | None) -> optax.GradientTransformation:
@@ -212,10 +229,11 @@ def scale_by_adam(
 
 
 class TrustRatioState(NamedTuple):
-    """ratios: the trust ratio of each tensor in the last update (1 where masked off);
-    scalars, or [L] for stacked leaves. Kept for logging; it does not affect the update."""
+    """What the last update measured, kept for logging (none of it affects the update)."""
 
-    ratios: Any
+    ratios: Any  # each tensor's trust ratio (1 where masked off); scalars, or [L] if stacked
+    param_norm: jax.Array  # global ||x||, from the per-tensor norms
+    update_norm: jax.Array  # global norm of the block's output (the trust-scaled updates)
 
 
 def scale_by_trust_ratio(
@@ -238,24 +256,36 @@ def scale_by_trust_ratio(
 
     def init_fn(params):
         _, stacked = resolve_per_tensor_masks(params, mask, "mask", stacked_layers)
-        return TrustRatioState(unit_ratios(params, stacked))
+        zero = jnp.zeros([], jnp.float32)
+        return TrustRatioState(unit_ratios(params, stacked), zero, zero)
 
     def update_fn(updates, state, params=None):
+        del state
         applies, stacked = resolve_per_tensor_masks(params, mask, "mask", stacked_layers)
 
-        def ratio(u, x, applies_here, is_stacked):
+        def measure(u, x, applies_here, is_stacked):
+            """(ratio, ||x||^2, ||ratio * u||^2) per tensor; the norms also where masked off,
+            for the logged global norms."""
+            param_sq = tensor_sq_norms(x, is_stacked)
+            update_sq = tensor_sq_norms(u, is_stacked)
             if not applies_here:
-                return ones_per_tensor(x, is_stacked)
-            param_norm = jnp.sqrt(tensor_sq_norms(x, is_stacked))
-            update_norm = jnp.sqrt(tensor_sq_norms(u, is_stacked))
+                return ones_per_tensor(x, is_stacked), param_sq, update_sq
+            param_norm, update_norm = jnp.sqrt(param_sq), jnp.sqrt(update_sq)
             guard = (param_norm == 0.0) | (update_norm == 0.0)
-            return safe_ratio(clip_param_norm(param_norm, param_norm_bounds), update_norm, guard)
+            ratio = safe_ratio(clip_param_norm(param_norm, param_norm_bounds), update_norm, guard)
+            return ratio, param_sq, jnp.square(ratio) * update_sq
 
-        ratios = jax.tree.map(ratio, updates, params, applies, stacked)
+        measured = jax.tree.map(measure, updates, params, applies, stacked)
+        ratios, param_sq, scaled_sq = jax.tree.transpose(
+            jax.tree.structure(updates), jax.tree.structure((0, 0, 0)), measured
+        )
         updates = jax.tree.map(
             lambda u, r: (u * broadcast_per_tensor(r, u)).astype(u.dtype), updates, ratios
         )
-        return updates, TrustRatioState(ratios)
+        state = TrustRatioState(
+            ratios, global_norm_of_sq_norms(param_sq), global_norm_of_sq_norms(scaled_sq)
+        )
+        return updates, state
 
     return optax.GradientTransformation(init_fn, update_fn)
 
@@ -270,6 +300,7 @@ class ScaleByLansState(NamedTuple):
     nu: Any  # second moment of the normalised gradient
     adam_ratios: Any  # last update's phi/||r|| per tensor (for logging)
     gradient_ratios: Any  # last update's phi/||c|| per tensor (for logging)
+    param_norm: jax.Array  # last update's global ||x|| (for logging)
 
 
 def scale_by_lans(
@@ -304,9 +335,9 @@ def scale_by_lans(
     def init_fn(params):
         _, stacked = masks(params)
         count, mu, nu = init_moments(params)
-        return ScaleByLansState(
-            count, mu, nu, unit_ratios(params, stacked), unit_ratios(params, stacked)
-        )
+        zero = jnp.zeros([], jnp.float32)
+        ratios = (unit_ratios(params, stacked), unit_ratios(params, stacked))
+        return ScaleByLansState(count, mu, nu, *ratios, zero)
 
     def update_fn(updates, state, params=None):
         decays, stacked = masks(params)
@@ -327,10 +358,11 @@ def scale_by_lans(
             param_norm_bounds=param_norm_bounds,
         )
         results = jax.tree.map(step, updates, mu_hat, nu_hat, nu, params, decays, stacked)
-        out, adam_ratios, gradient_ratios = jax.tree.transpose(
-            jax.tree.structure(updates), jax.tree.structure((0, 0, 0)), results
+        out, adam_ratios, gradient_ratios, param_sq = jax.tree.transpose(
+            jax.tree.structure(updates), jax.tree.structure((0,) * 4), results
         )
-        return out, ScaleByLansState(count, mu, nu, adam_ratios, gradient_ratios)
+        param_norm = global_norm_of_sq_norms(param_sq)
+        return out, ScaleByLansState(count, mu, nu, adam_ratios, gradient_ratios, param_norm)
 
     return optax.GradientTransformation(init_fn, update_fn)
 
@@ -338,7 +370,7 @@ def scale_by_lans(
 def lans_direction(
     g, m_hat, v_hat, v, x, decays, stacked, *, nu_rescale, b1, eps, weight_decay, param_norm_bounds
 ):
-    """One tensor's LANS step (see `scale_by_lans`): (out, phi/||r||, phi/||c||)."""
+    """One tensor's LANS step (see `scale_by_lans`): (out, phi/||r||, phi/||c||, ||x||^2)."""
     decay = 0.0 if is_python_zero(weight_decay) or not decays else weight_decay * x
     # d = sqrt(v̂) + eps, written two ways on purpose: v̂ = v / (1 - b2^t) for r,
     # v * (1 / (1 - b2^t)) for c. One shared d would be a tensor that XLA writes
@@ -347,7 +379,8 @@ def lans_direction(
     # direction that reads it (22 passes).
     r = m_hat / (jnp.sqrt(v_hat) + eps) + decay
     c = g / (jnp.sqrt(v * nu_rescale) + eps) + decay
-    param_norm = jnp.sqrt(tensor_sq_norms(x, stacked))
+    param_sq = tensor_sq_norms(x, stacked)
+    param_norm = jnp.sqrt(param_sq)
     phi = clip_param_norm(param_norm, param_norm_bounds)
     r_norm = jnp.sqrt(tensor_sq_norms(r, stacked))
     c_norm = jnp.sqrt(tensor_sq_norms(c, stacked))
@@ -356,7 +389,37 @@ def lans_direction(
     out = (
         b1 * broadcast_per_tensor(r_ratio, r) * r + (1 - b1) * broadcast_per_tensor(c_ratio, c) * c
     )
-    return out.astype(x.dtype), r_ratio, c_ratio
+    return out.astype(x.dtype), r_ratio, c_ratio, param_sq
+
+
+# ----------------------------------------------------------------------------------------
+# Learning rate
+
+
+class LearningRateState(NamedTuple):
+    count: jax.Array  # updates taken: the schedule's argument
+    learning_rate: jax.Array  # the rate of the last update (for logging)
+
+
+def scale_by_learning_rate(learning_rate: float | optax.Schedule) -> optax.GradientTransformation:
+    """u -> -learning_rate * u, as `optax.scale_by_learning_rate`; the state keeps the rate
+    it applied, so that the norm of the final update follows from the norm of u."""
+
+    def rate(count):
+        value = learning_rate(count) if callable(learning_rate) else learning_rate
+        return jnp.asarray(value, jnp.float32)
+
+    def init_fn(params):
+        del params
+        return LearningRateState(jnp.zeros([], jnp.int32), jnp.zeros([], jnp.float32))
+
+    def update_fn(updates, state, params=None):
+        del params
+        step_size = rate(state.count)
+        updates = jax.tree.map(lambda u: (-step_size).astype(u.dtype) * u, updates)
+        return updates, LearningRateState(optax.safe_increment(state.count), step_size)
+
+    return optax.GradientTransformation(init_fn, update_fn)
 
 
 # ----------------------------------------------------------------------------------------
@@ -404,3 +467,32 @@ def last_trust_ratios(opt_state) -> dict[str, Any]:
 
     _map_states(collect, opt_state)
     return found
+
+
+def last_norms(opt_state) -> dict[str, jax.Array]:
+    """The global norms of the last update that the optimizer measured on its way, by name:
+    `param_norm` (of the parameters given to `update`; LAMB and LANS) and `update_norm` (of
+    the update returned; LAMB: the trust-ratio block's output norm times the rate that
+    `scale_by_learning_rate` applied after it). Each global norm is the square root of the
+    sum of the squared per-tensor norms the trust ratios are made of.
+
+    A name is missing where the optimizer does not measure it: `lans` has no `update_norm`
+    (its step sums two directions; the norm of the sum would cost another pass over both),
+    optax's optimizers neither.
+    """
+    found: dict[str, Any] = {}
+
+    def collect(s):
+        if isinstance(s, TrustRatioState):
+            found["param_norm"], found["direction_norm"] = s.param_norm, s.update_norm
+        elif isinstance(s, ScaleByLansState):
+            found["param_norm"] = s.param_norm
+        elif isinstance(s, LearningRateState):
+            found["learning_rate"] = s.learning_rate
+        return s
+
+    _map_states(collect, opt_state)
+    norms = {"param_norm": found["param_norm"]} if "param_norm" in found else {}
+    if "direction_norm" in found and "learning_rate" in found:
+        norms["update_norm"] = jnp.abs(found["learning_rate"]) * found["direction_norm"]
+    return norms

@@ -122,6 +122,9 @@ def base_config() -> ml_collections.ConfigDict:
     """Fields every experiment has, with the embedded tiny demo's values."""
     config = ml_collections.ConfigDict()
     config.seed = 0
+    # The PRNG of dropout and the other training draws (lambjax.train.prng): threefry,
+    # rbg or unsafe_rbg.
+    config.prng_impl = "threefry"
     config.model = ml_collections.ConfigDict(
         {
             "preset": "tiny",

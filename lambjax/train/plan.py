@@ -11,8 +11,9 @@ Checks live beside their feature and are collected here, in one pass, before any
 built: the run's and the phases' own fields below; progressive layer dropping in
 lambjax.train.layer_drop; multi-stage layerwise training in lambjax.train.stacking; the
 standardization loss in lambjax.models.standardization; Ouroboros in
-lambjax.train.ouroboros; packing in lambjax.data.packing. Each raises `ConfigError` (a
-ValueError) naming the field, the value and what would be valid.
+lambjax.train.ouroboros; packing in lambjax.data.packing; the PRNG implementation in
+lambjax.train.prng. Each raises `ConfigError` (a ValueError) naming the field, the value and
+what would be valid.
 """
 
 import dataclasses
@@ -24,7 +25,7 @@ import ml_collections
 from lambjax import sharding
 from lambjax.data import packing as packing_lib
 from lambjax.models import attention, bert, standardization
-from lambjax.train import layer_drop, ouroboros, stacking
+from lambjax.train import layer_drop, ouroboros, prng, stacking
 from lambjax.train.config import (
     OPTIMIZER_STATE_AT_PHASE_START,
     OPTIMIZERS,
@@ -123,6 +124,7 @@ class RunPlan:
 
     phases: tuple[PhasePlan, ...]
     seed: int
+    prng_impl: str  # the training keys' PRNG (lambjax.train.prng): threefry | rbg | unsafe_rbg
     data: ml_collections.FrozenConfigDict  # lambjax.data.default_config() fields
     log_every_steps: int
     eval_every_steps: int
@@ -149,6 +151,7 @@ def resolve(config, *, vocab_size: int, num_devices: int, process_count: int = 1
     _check_features(  # the variants' own settings, before the phase plans hold them
         lambda: layer_drop.check_settings(config.layer_drop),
         lambda: ouroboros.check_settings(config.ouroboros),
+        lambda: prng.check(config.prng_impl),
     )
     phases, previous, step_offset = [], None, 0
     for index, name in enumerate(config.phase_order):
@@ -166,6 +169,7 @@ def resolve(config, *, vocab_size: int, num_devices: int, process_count: int = 1
     return RunPlan(
         phases=tuple(phases),
         seed=config.seed,
+        prng_impl=config.prng_impl,
         data=ml_collections.FrozenConfigDict(config.data),
         log_every_steps=config.log_every_steps,
         eval_every_steps=config.eval_every_steps,

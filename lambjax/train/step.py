@@ -101,22 +101,32 @@ def apply_if_finite(
     """The optimizer update, or none at all where the loss or the gradient is not finite.
 
     A skipped step leaves parameters and optimizer state untouched and counts in
-    `consecutive_nonfinite` / `total_nonfinite`. Returns the new state and its metrics.
+    `consecutive_nonfinite` / `total_nonfinite`. Returns the new state and its metrics:
+    `grad_norm` (of `grads`, the gradient the optimizer is given, before any clipping),
+    the norms of `update_norms` (the update's is 0 on a skipped step) and `nonfinite`.
     """
     trainable, frozen = stacking.split(state.params, num_frozen_layers)
+    # The finiteness test needs the gradient's norm before the update. The optimizer is
+    # given it (lambjax's clip_by_global_norm uses it instead of computing it again).
+    # Testing after the update and selecting the old or new state instead, to take the
+    # norm from the update, cost more: XLA then copies the moments (docs/performance.md).
     grad_norm = optax.global_norm(grads)
     finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+    update = optax.with_extra_args_support(optimizer).update
 
     def apply_update(_):
-        updates, opt_state = optimizer.update(grads, state.opt_state, trainable)
+        updates, opt_state = update(grads, state.opt_state, trainable, grad_norm=grad_norm)
         params = stacking.merge(optax.apply_updates(trainable, updates), frozen)
-        return params, opt_state, optax.global_norm(updates)
+        return params, opt_state, update_norms(trainable, updates, opt_state)
 
     def skip_update(_):
-        return state.params, state.opt_state, jnp.zeros((), jnp.float32)
+        norms = {"param_norm": optax.global_norm(trainable), "update_norm": jnp.float32(0.0)}
+        return state.params, state.opt_state, norms
 
     # A cond, not a select: only the taken branch runs, so a normal step costs no extra pass.
-    params, opt_state, update_norm = jax.lax.cond(finite, apply_update, skip_update, None)
+    params, opt_state, norms = jax.lax.cond(finite, apply_update, skip_update, None)
+    if frozen is not None:
+        norms["param_norm"] = jnp.hypot(norms["param_norm"], optax.global_norm(frozen))
     new_state = state.replace(
         step=state.step + 1,
         params=params,
@@ -124,12 +134,22 @@ def apply_if_finite(
         consecutive_nonfinite=jnp.where(finite, 0, state.consecutive_nonfinite + 1),
         total_nonfinite=state.total_nonfinite + (~finite).astype(jnp.int32),
     )
-    metrics = {
-        "grad_norm": grad_norm,
-        "update_norm": update_norm,
-        "nonfinite": (~finite).astype(jnp.float32),
-    }
+    metrics = {"grad_norm": grad_norm, **norms, "nonfinite": (~finite).astype(jnp.float32)}
     return new_state, metrics
+
+
+def update_norms(trainable, updates, opt_state) -> dict:
+    """`param_norm` (of the trainable parameters before the update) and `update_norm` (of
+    `updates`): the norms the optimizer measured on its way where it did (`optim.last_norms`:
+    LAMB and LANS compute per-tensor norms for their trust ratios), one pass over the
+    tensors each otherwise (AdamW: both; LANS: the update's).
+    """
+    norms = optim.last_norms(opt_state)
+    if "param_norm" not in norms:
+        norms["param_norm"] = optax.global_norm(trainable)
+    if "update_norm" not in norms:
+        norms["update_norm"] = optax.global_norm(updates)
+    return norms
 
 
 def train_step(
@@ -210,13 +230,12 @@ def train_metrics(
     schedule: optax.Schedule,
 ) -> dict:
     """`metrics` (from `metrics_from_stats`) and what every train step logs beside them: the
-    loss, the learning rate and parameter norm of `state` (before the update), the update's
-    metrics (`apply_if_finite`) and the trust ratios of the update to `new_state`."""
+    loss, the learning rate of `state`, the update's metrics (`apply_if_finite`: the norms)
+    and the trust ratios of the update to `new_state`."""
     return {
         **metrics,
         "loss": loss,
         "learning_rate": schedule(state.step),
-        "param_norm": optax.global_norm(state.params),
         **update_metrics,
         **trust_ratio_metrics(new_state.opt_state),
     }

@@ -18,7 +18,7 @@ from clu import periodic_actions
 
 from lambjax import console, distributed, sharding, storage
 from lambjax import data as data_lib
-from lambjax.train import checkpointing, loop, phases
+from lambjax.train import checkpointing, loop, phases, prng
 from lambjax.train import metrics as metrics_lib
 from lambjax.train import plan as plan_lib
 from lambjax.train import step as step_lib
@@ -132,7 +132,7 @@ class PhaseLoop:
         )
         if data_state is not None:
             self.train_iter.set_state(data_state)
-        self.rng = jax.random.fold_in(jax.random.key(run.seed), phase.index)
+        self.rng = jax.random.fold_in(prng.training_key(run.seed, run.prng_impl), phase.index)
         self.meta = phase.checkpoint_meta(run.config_json)
         self.throughput = phases.throughput_meter(run, phase.plan)
         self.save_clock = checkpointing.SaveClock(run.checkpoint_every_minutes, run.log_every_steps)

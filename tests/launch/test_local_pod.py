@@ -64,6 +64,22 @@ def test_two_processes_train_like_one(data_dir, reference, two_processes):
     assert "[p1]" in result.stdout and "resuming from its checkpoint at step 6" in result.stdout
 
 
+@pytest.mark.parametrize("impl", ["rbg", "unsafe_rbg"])
+def test_two_processes_train_like_one_with_each_prng(data_dir, reference, tmp_path, impl):
+    """config.prng_impl keeps the topology guarantee across processes too: dropout drawn
+    by rbg or unsafe_rbg gives 2 x 2 devices the losses of 1 x 4. (`reference`'s single
+    process built the data; the default, threefry, is `two_processes`'s.)"""
+    flags = (*OVERRIDES, f"--config.prng_impl={impl}")
+    one, two = str(tmp_path / "one"), str(tmp_path / "two")
+    run_demo(one, data_dir, 4, *flags)
+    helpers.run(pod(two, data_dir, 2, 2, *flags), 2)
+    expected, got = losses(one), losses(two)
+    assert sorted(got) == list(range(1, STEPS + 1))
+    assert expected != reference[1]  # other dropout masks than threefry's
+    for step, loss in got.items():
+        assert loss == pytest.approx(expected[step], rel=1e-5), step
+
+
 def time_limit_signal(script: str) -> int:
     """The signal the script asks SLURM to send its batch shell (`--signal=B:SIG@secs`)."""
     with open(os.path.join(REPO, script)) as f:

@@ -129,3 +129,95 @@ def test_bert_weight_decay_mask_by_path():
     stacked = optim.stacked_layers_mask(params)
     assert stacked["encoder"]["layers"]["attention"]["query"]["kernel"] is True
     assert stacked["embeddings"]["word"]["embedding"] is False
+
+
+def f64_norm(tree) -> float:
+    return float(
+        np.sqrt(sum(np.sum(np.asarray(x, np.float64) ** 2) for x in jax.tree.leaves(tree)))
+    )
+
+
+def schedule(count):
+    return 1e-2 / (1.0 + count)
+
+
+NORM_CASES = {
+    "lamb NVIDIA": lambda: optim.lamb(
+        schedule,
+        weight_decay=0.01,
+        weight_decay_mask=optim.bert_weight_decay_mask,
+        trust_ratio_mask=optim.bert_weight_decay_mask,
+        max_global_norm=1.0,
+        stacked_layers=optim.stacked_layers_mask,
+    ),
+    "inject_hyperparams(lamb)": lambda: optax.inject_hyperparams(
+        optim.lamb, static_args=("stacked_layers",)
+    )(1e-2, weight_decay=0.01, stacked_layers=optim.stacked_layers_mask),
+    "lans": lambda: optim.lans(schedule, stacked_layers=optim.stacked_layers_mask),
+    "adamw": lambda: optax.adamw(1e-2),
+}
+
+
+@pytest.mark.parametrize("name", NORM_CASES)
+def test_last_norms_are_the_norms_of_the_update(name):
+    """`last_norms` after 3 updates: ||x|| of the parameters the last update was given and
+    ||update|| of what it returned, from the per-tensor norms; masked-off tensors (biases,
+    LayerNorm) count, a stacked leaf's layers too. What an optimizer does not measure is
+    missing: LANS's update norm, all of AdamW's."""
+    params = jax.tree.map(
+        lambda x: jnp.asarray(x, jnp.float32),
+        {
+            "dense": {"kernel": np.arange(12.0).reshape(4, 3) / 7, "bias": np.ones(3)},
+            "encoder": {"layers": {"kernel": np.linspace(-1, 1, 30).reshape(3, 5, 2)}},
+            "layer_norm": {"scale": np.full(3, 1.1)},
+        },
+    )
+    tx = NORM_CASES[name]()
+    state = tx.init(params)
+    step = jax.jit(tx.update)
+    for seed in range(3):
+        grads = jax.tree.map(
+            lambda x, s=seed: jnp.sin(jnp.arange(x.size, dtype=jnp.float32) + s).reshape(x.shape),
+            params,
+        )
+        updates, state = step(grads, state, params)
+        norms = optim.last_norms(state)
+        expected = {"param_norm": f64_norm(params), "update_norm": f64_norm(updates)}
+        measured = {"lamb": ("param_norm", "update_norm"), "lans": ("param_norm",), "adamw": ()}
+        kind = next(k for k in measured if k in name)
+        assert sorted(norms) == sorted(measured[kind])
+        for key in measured[kind]:
+            assert float(norms[key]) == pytest.approx(expected[key], rel=1e-6), key
+        params = optax.apply_updates(params, updates)
+
+
+@pytest.mark.parametrize("scale", [0.1, 10.0])
+def test_clip_given_the_gradient_norm_clips_as_without(scale):
+    """`update(..., grad_norm=||g||)` (the train step's) gives the same bits as the clip
+    that computes ||g|| itself: alone, inside lamb's chain and under inject_hyperparams."""
+    grads = {"a": jnp.array([3.0, 4.0]) * scale, "layers": jnp.ones((2, 4)) * scale}
+    params = jax.tree.map(jnp.ones_like, grads)
+    grad_norm = optax.global_norm(grads)
+    for tx in (
+        optim.clip_by_global_norm(1.0),
+        optim.lamb(1e-2, max_global_norm=1.0),
+        optax.inject_hyperparams(optim.lamb)(1e-2, max_global_norm=1.0),
+    ):
+        state = tx.init(params)
+        expected, _ = tx.update(grads, state, params)
+        given, _ = tx.update(grads, state, params, grad_norm=grad_norm)
+        for name in grads:
+            np.testing.assert_array_equal(given[name], expected[name])
+
+
+def test_scale_by_learning_rate_as_optax_and_keeps_the_rate():
+    updates = {"w": jnp.array([1.0, -2.0])}
+    for rate in (0.5, schedule):
+        tx, reference = optim.scale_by_learning_rate(rate), optax.scale_by_learning_rate(rate)
+        state, reference_state = tx.init(updates), reference.init(updates)
+        for count in range(3):
+            out, state = tx.update(updates, state)
+            expected, reference_state = reference.update(updates, reference_state)
+            np.testing.assert_array_equal(out["w"], expected["w"])
+            want = rate(count) if callable(rate) else rate
+            assert float(state.learning_rate) == pytest.approx(want)

@@ -2,10 +2,12 @@ import glob
 import importlib.util
 import os
 
+import jax
 import pytest
 
 from lambjax.train import config as config_lib
 from lambjax.train import plan as plan_lib
+from lambjax.train import prng
 
 CONFIG_DIR = os.path.join(os.path.dirname(__file__), "..", "..", "configs")
 CONFIG_FILES = sorted(glob.glob(os.path.join(CONFIG_DIR, "*.py")))
@@ -234,6 +236,24 @@ def test_bad_top_level_configs_name_the_value():
 
     with pytest.raises(config_lib.ConfigError, match=r"argument 'huge': \['huge'\] not understood"):
         load(CONFIG_FILES[0], "huge")
+
+
+@pytest.mark.parametrize("impl", ["threefry", "rbg", "unsafe_rbg"])
+def test_the_plan_holds_the_prng_impl_and_its_keys_use_it(impl):
+    config = default()
+    config.prng_impl = impl
+    plan = validate(config, num_devices=8)
+    assert plan.prng_impl == impl
+    key = prng.training_key(plan.seed, plan.prng_impl)
+    assert jax.random.key_impl(key) == jax.random.key_impl(jax.random.key(0, impl=prng.IMPLS[impl]))
+
+
+def test_a_bad_prng_impl_names_the_valid_ones():
+    config = default()
+    config.prng_impl = "philox"
+    message = r"^config.prng_impl='philox'; valid: threefry, rbg, unsafe_rbg$"
+    with pytest.raises(config_lib.ConfigError, match=message):
+        validate(config, num_devices=8)
 
 
 # ----------------------------------------------------------------------------------------

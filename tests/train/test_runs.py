@@ -85,25 +85,62 @@ def test_two_phases_run_and_learn(reference):
     assert any(name.startswith("events.out.tfevents") for name in os.listdir(reference))
 
 
-@pytest.mark.parametrize("devices", [1, 2])
-def test_same_losses_on_fewer_devices(reference, data_dir, tmp_path, devices):
-    run(str(tmp_path), data_dir, devices, "--config.phase_order=('phase1',)")
-    expected = losses(reference)
+PHASE1_ONLY = "--config.phase_order=('phase1',)"
+OTHER_PRNGS = ["rbg", "unsafe_rbg"]  # config.prng_impl; the reference run's is threefry
+
+
+def prng_flags(impl: str) -> tuple[str, ...]:
+    """A run with `impl` draws its dropout: phase 1 only (the default's runs cover phase 2)."""
+    return () if impl == "threefry" else (PHASE1_ONLY, f"--config.prng_impl={impl}")
+
+
+@pytest.fixture(scope="module")
+def prng_reference(reference, tmp_path_factory, data_dir):
+    """impl -> the workdir of an uninterrupted 4-device run that draws with it (made once)."""
+    workdirs = {"threefry": reference}
+
+    def reference_for(impl):
+        if impl not in workdirs:
+            workdirs[impl] = str(tmp_path_factory.mktemp(impl))
+            run(workdirs[impl], data_dir, 4, *prng_flags(impl))
+        return workdirs[impl]
+
+    return reference_for
+
+
+@pytest.mark.parametrize(
+    "impl, devices", [("threefry", 1), ("threefry", 2)] + [(i, 2) for i in OTHER_PRNGS]
+)
+def test_same_losses_on_fewer_devices(prng_reference, data_dir, tmp_path, impl, devices):
+    """The topology guarantee holds for every PRNG: on XLA:CPU, rbg's and unsafe_rbg's
+    RngBitGenerator is partitioned by computing the whole draw and slicing it."""
+    run(str(tmp_path), data_dir, devices, PHASE1_ONLY, *prng_flags(impl))
+    expected = losses(prng_reference(impl))
     got = losses(str(tmp_path))
     assert sorted(got) == list(range(1, PHASE1_STEPS + 1))
     for step, loss in got.items():
         assert loss == pytest.approx(expected[step], rel=1e-5), step
 
 
-def test_kill_and_rerun_gives_bitwise_the_same_losses(reference, data_dir, tmp_path):
+@pytest.mark.parametrize("impl", OTHER_PRNGS)
+def test_each_prng_draws_its_own_dropout(reference, prng_reference, impl):
+    """The same data and initial parameters; other dropout masks from the first step on."""
+    expected, got = losses(reference), losses(prng_reference(impl))
+    for step, loss in got.items():
+        assert loss != expected[step], step
+        assert loss == pytest.approx(expected[step], rel=0.05), step
+
+
+@pytest.mark.parametrize("impl", ["threefry", *OTHER_PRNGS])
+def test_kill_and_rerun_gives_bitwise_the_same_losses(prng_reference, data_dir, tmp_path, impl):
     workdir = str(tmp_path)
-    process = start(workdir, data_dir, 4)
+    process = start(workdir, data_dir, 4, *prng_flags(impl))
     wait_for_checkpoint(workdir, "phase1", 4, process)
     process.kill()
     process.wait()
     assert not os.path.exists(os.path.join(workdir, "checkpoints", "phase2", str(PHASE2_STEPS)))
-    run(workdir, data_dir, 4)
-    assert losses(workdir) == losses(reference)
+    run(workdir, data_dir, 4, *prng_flags(impl))
+    assert losses(workdir) == losses(prng_reference(impl))
 
 
 def test_sigterm_saves_exits_zero_and_resumes(reference, data_dir, tmp_path):
