@@ -271,7 +271,7 @@ def plot_curves(directory: str, chosen: list, target: float, gammas: list[str]) 
                 marker="o",
                 markersize=3,
                 color=color(p, gammas),
-                label=f"{label} ({p['lr']:g})",
+                label=label if "at that lr" in label else f"{label} ({p['lr']:g})",
             )
         axis.axhline(target, color="gray", linestyle=":", label=f"target {target:.3f}")
         axis.set_xlabel("training time (s)" if by_time else "step")

@@ -134,7 +134,7 @@ def test_the_smallest_study_runs_through_the_sweep_and_report(tmp_path, data_dir
         f"--config.data.data_dir={data_dir}",
         "--parallel=2",
     ]
-    run([sys.executable, *command], 1)
+    run([sys.executable, *command], 1, timeout=1200)  # 4 trials, two of them compile PLD
     state = json.loads((workdir / "sweep.json").read_text())
     module = study_module()
     assert state["study"] == module.get_study("smoke")
