@@ -137,9 +137,10 @@ def base_config() -> ml_collections.ConfigDict:
     config.optimizer = optimizer_config("lamb")
     config.mesh = ml_collections.ConfigDict({"data": -1, "fsdp": 1, "tensor": 1, "stage": 1})
     # Progressive layer dropping (needs model layer_norm="pre"): keep probability
-    # theta(t) = (1 - theta_bar) exp(-gamma t) + theta_bar, t = optimizer steps of the run.
+    # theta(t) = (1 - theta_bar) exp(-gamma t) + theta_bar, t = optimizer steps of the run;
+    # depth_rule "deepspeed" (the authors' code: the first layer is never dropped) or "paper".
     config.layer_drop = ml_collections.ConfigDict(
-        {"enabled": False, "theta_bar": 0.5, "gamma": 0.001}
+        {"enabled": False, "theta_bar": 0.5, "gamma": 0.001, "depth_rule": "deepspeed"}
     )
     # The standardization loss (Collins et al. 2019): weight lambda of L_std in the objective,
     # for a model with model.overrides.normalization="none"; 0 = off.

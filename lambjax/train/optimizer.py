@@ -25,7 +25,8 @@ def learning_rate_schedule(phase) -> optax.Schedule:
 
 
 def make_optimizer(optimizer_config, schedule: optax.Schedule) -> optax.GradientTransformation:
-    """LAMB, LANS or AdamW (a baseline) with BERT's decay exclusions and stacked layers."""
+    """LAMB, LANS or AdamW (a baseline) with BERT's decay exclusions and stacked layers;
+    `bias_correction=False` drops Adam's bias correction (LAMB's and AdamW's; LANS keeps it)."""
     name = optimizer_config.name
     common = dict(
         b1=optimizer_config.b1,
@@ -60,6 +61,14 @@ def make_optimizer(optimizer_config, schedule: optax.Schedule) -> optax.Gradient
             weight_decay=common["weight_decay"],
             mask=optim.bert_weight_decay_mask,
         )
+        if not optimizer_config.bias_correction:  # DeepSpeed's Adam in the PLD recipe
+            tx = optax.chain(
+                optim.scale_by_adam(
+                    common["b1"], common["b2"], common["eps"], bias_correction=False
+                ),
+                optax.add_decayed_weights(common["weight_decay"], optim.bert_weight_decay_mask),
+                optax.scale_by_learning_rate(schedule),
+            )
         if optimizer_config.max_global_norm:
             tx = optax.chain(optax.clip_by_global_norm(optimizer_config.max_global_norm), tx)
         return tx

@@ -262,7 +262,9 @@ def _phase(
         mesh=mesh,
         num_frozen_layers=phase.frozen_layers,
         layer_drop=(
-            layer_drop.LayerDrop(drop.theta_bar, drop.gamma, step_offset=step_offset)
+            layer_drop.LayerDrop(
+                drop.theta_bar, drop.gamma, step_offset=step_offset, depth_rule=drop.depth_rule
+            )
             if drop.enabled
             else None
         ),

@@ -59,6 +59,34 @@ def test_lamb_matches_the_equations(wd, decay_mask, trust_mask, max_norm, bias_c
     assert not np.allclose(actual["dense"]["bias"], 0)  # the zero-norm guard lets it move
 
 
+def test_adamw_without_bias_correction_matches_the_equations():
+    """DeepSpeed's Adam of the PLD recipe: m / (sqrt(v) + eps) with the raw moments, decoupled
+    weight decay, the global gradient norm clipped to 1, as lambjax's `adamw` builds it."""
+    from lambjax.train.config import optimizer_config
+    from lambjax.train.optimizer import make_optimizer
+
+    settings = optimizer_config("adamw")
+    settings.bias_correction = False
+    params = {"dense": {"kernel": np.linspace(-1, 1, 6).reshape(2, 3), "bias": np.zeros(3)}}
+    grads = [
+        jax.tree.map(lambda p, t=t: np.cos(p + t) * (3 if t % 2 else 0.2), params)
+        for t in range(STEPS)
+    ]
+    actual, _, _ = run(make_optimizer(settings, optax.constant_schedule(LR)), params, grads)
+    x = jax.tree.map(np.float64, params)
+    m = jax.tree.map(np.zeros_like, x)
+    v = jax.tree.map(np.zeros_like, x)
+    for g in grads:
+        norm = np.sqrt(sum(np.sum(leaf**2) for leaf in jax.tree.leaves(g)))
+        g = jax.tree.map(lambda leaf, norm=norm: leaf / max(norm, 1.0), g)
+        m = jax.tree.map(lambda m, g: 0.9 * m + 0.1 * g, m, g)
+        v = jax.tree.map(lambda v, g: 0.999 * v + 0.001 * g * g, v, g)
+        update = jax.tree.map(lambda m, v: m / (np.sqrt(v) + 1e-6), m, v)
+        update["dense"]["kernel"] = update["dense"]["kernel"] + 0.01 * x["dense"]["kernel"]
+        x = jax.tree.map(lambda x, u: x - LR * u, x, update)  # biases are not decayed
+    assert_trees_close(actual, x)
+
+
 @pytest.mark.parametrize("wd, decay_mask", [(0.0, None), (0.01, DECAY_MASK)])
 def test_lans_matches_the_equations(wd, decay_mask):
     params, grads = make_params(), make_grads(make_params())

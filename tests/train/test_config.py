@@ -195,6 +195,15 @@ def test_layer_drop_needs_preln_and_valid_settings():
         validate(config, num_devices=1)
     config.model.overrides.layer_norm = "pre"
     validate(config, num_devices=1)
+    assert config.layer_drop.depth_rule == "deepspeed"  # the authors' code, by default
+    config.layer_drop.depth_rule = "reference"
+    with pytest.raises(config_lib.ConfigError) as error:
+        validate(config, num_devices=1)
+    assert str(error.value) == (
+        "config.layer_drop.depth_rule='reference'; valid: 'deepspeed', 'paper'"
+    )
+    config.layer_drop.depth_rule = "paper"
+    validate(config, num_devices=1)
     config.layer_drop.theta_bar = 0.0
     with pytest.raises(config_lib.ConfigError, match=r"theta_bar=0.0 must lie in \(0, 1\]"):
         validate(config, num_devices=1)

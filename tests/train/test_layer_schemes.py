@@ -58,28 +58,67 @@ def assert_trees_equal(a, b):
 # Progressive layer dropping
 
 
-def test_keep_probabilities_follow_the_schedule():
-    drop = LayerDrop(theta_bar=0.6, gamma=0.01, step_offset=100)
+def numpy_theta(theta_bar, gamma, t):
+    return (1 - theta_bar) * np.exp(-gamma * t) + theta_bar
+
+
+def deepspeed_rule(theta, num_layers):
+    """DeepSpeedExamples' modelingpreln_layerdrop.py, transcribed: per layer i (0-based),
+    (keep probability, scale of a kept layer)."""
+    drop_step = (1 - theta) / num_layers
+    keep = [1 - i * drop_step for i in range(num_layers)]
+    scale = [1 / (1 - (i + 1) * drop_step) for i in range(num_layers)]
+    return np.array(keep), np.array(scale)
+
+
+def paper_rule(theta, num_layers):
+    """The paper's p_l = 1 - (l / L)(1 - theta), l = 1..L, a kept layer scaled by 1/p_l."""
+    p = np.array([1 - (layer / num_layers) * (1 - theta) for layer in range(1, num_layers + 1)])
+    return p, 1 / p
+
+
+RULES = {"deepspeed": deepspeed_rule, "paper": paper_rule}
+
+
+@pytest.mark.parametrize("depth_rule", RULES)
+def test_keep_probabilities_and_scales_follow_the_rule(depth_rule):
+    drop = LayerDrop(theta_bar=0.6, gamma=0.01, step_offset=100, depth_rule=depth_rule)
     for step in [0, 1, 50, 400]:
-        t = step + 100
-        theta = (1 - 0.6) * np.exp(-0.01 * t) + 0.6
+        theta = numpy_theta(0.6, 0.01, step + 100)
         np.testing.assert_allclose(drop.theta(step), theta, rtol=1e-6)
-        expected = 1 - np.arange(1, 13) / 12 * (1 - theta)
-        np.testing.assert_allclose(drop.keep_probabilities(step, 12), expected, rtol=1e-6)
+        keep, scale = RULES[depth_rule](theta, 12)
+        np.testing.assert_allclose(drop.keep_probabilities(step, 12), keep, rtol=1e-6)
+        np.testing.assert_allclose(drop.scales(step, 12), scale, rtol=1e-6)
     assert float(LayerDrop(0.5, 0.001).theta(0)) == 1.0  # theta(0) = 1: nothing dropped
     np.testing.assert_allclose(LayerDrop(0.5, 0.001).theta(10**7), 0.5)  # -> theta_bar
 
 
-def test_layers_are_kept_at_their_probabilities_and_scaled_by_their_inverse():
+def test_the_default_rule_is_deepspeeds_and_never_drops_the_first_layer():
+    assert LayerDrop().depth_rule == "deepspeed"
     drop = LayerDrop(theta_bar=0.5, gamma=1.0)
-    keys = jax.random.split(jax.random.key(0), 4000)
+    probabilities = drop.keep_probabilities(50, 4)  # theta(50) = 0.5: step = 1/8
+    np.testing.assert_allclose(probabilities, [1.0, 7 / 8, 6 / 8, 5 / 8], rtol=1e-6)
+    np.testing.assert_allclose(drop.scales(50, 4), [8 / 7, 8 / 6, 8 / 5, 8 / 4], rtol=1e-6)
+
+
+@pytest.mark.parametrize("depth_rule", RULES)
+def test_layers_are_kept_as_often_as_the_rule_says(depth_rule):
+    drop = LayerDrop(theta_bar=0.5, gamma=1.0, depth_rule=depth_rule)
+    draws = 20000
+    keys = jax.random.split(jax.random.key(0), draws)
     keep, scale = jax.vmap(lambda k: drop.sample(k, 50, 4))(keys)
-    expected = 1 - np.arange(1, 5) / 4 * 0.5  # theta(50) = 0.5 to float32 precision
-    np.testing.assert_allclose(keep.mean(0), expected, atol=0.03)
-    np.testing.assert_allclose(scale[0], 1 / expected, rtol=1e-6)
+    expected_keep, expected_scale = RULES[depth_rule](0.5, 4)  # theta(50) = 0.5 in float32
+    # Four standard errors of a frequency over 20,000 draws: at most 0.014.
+    np.testing.assert_allclose(keep.mean(0), expected_keep, atol=4 * np.sqrt(0.25 / draws))
+    if depth_rule == "deepspeed":
+        assert bool(keep[:, 0].all())  # the first layer ran in every draw
+    np.testing.assert_allclose(scale[0], expected_scale, rtol=1e-6)
 
 
-@pytest.mark.parametrize("bad", [dict(theta_bar=0.0), dict(theta_bar=1.5), dict(gamma=-1.0)])
+@pytest.mark.parametrize(
+    "bad",
+    [dict(theta_bar=0.0), dict(theta_bar=1.5), dict(gamma=-1.0), dict(depth_rule="reference")],
+)
 def test_bad_layer_drop_settings_are_refused(bad):
     with pytest.raises(ValueError, match=next(iter(bad))):
         LayerDrop(**bad)

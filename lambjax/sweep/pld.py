@@ -1,0 +1,311 @@
+"""The PLD study's report: steps and training time to the PostLN baseline's best held-out
+MLM loss (configs/studies/pld.py).
+
+The trials are labelled (arm, gamma, lr, seed): arm `postln` (the baseline), `pld` (PreLN
+with progressive layer dropping, one grid per gamma) or `preln` (PreLN alone). The report
+reads them by a rule fixed before the runs:
+
+  baseline  the seed-0 PostLN trial with the lowest best held-out MLM loss; that loss is
+            the target, and its steps to the target are the baseline's steps;
+  PLD       per gamma, the learning rate that reaches the target in the fewest steps (a
+            trial that misses it counts as never; ties and misses go to the lower best
+            held-out loss);
+  PreLN     PreLN alone at each PLD arm's learning rate, and at its own best.
+
+Steps to the target are the first evaluation at or below it (exact to the evaluation
+interval). Training time to the target adds up the trial's logged step times
+(`train/step_time_s`, each the mean of its log window) to that step: compiling and
+evaluating are not counted, and the first window, which holds the compilation and has no
+step time, is counted at the next window's. The step time of a trial is the median of its
+logged step times.
+
+Written into DIR: the study's section of report.md, pld_loss_vs_steps.png and
+pld_loss_vs_time.png (held-out loss of the chosen trials against steps and training time,
+the target as a line) and pld_learning_rates.png (best held-out loss against the learning
+rate, one line per arm).
+"""
+
+import math
+import statistics
+
+from etils import epath
+
+from lambjax.sweep import plots
+from lambjax.train.metrics import format_duration, read_jsonl
+
+LOSS, STEP_TIME = "eval/mlm_loss", "train/step_time_s"
+LAYERS_RUN = "train/pld_layers_run"
+COLORS = {"postln": "tab:red", "preln": "tab:blue", "pld": "tab:green"}
+
+
+def read_trial(workdir: str) -> dict:
+    """A trial's held-out loss curve, logged step times and PLD layers run, in step order."""
+    path = epath.Path(workdir) / "metrics.jsonl"
+    records = sorted(read_jsonl(str(path)).items()) if path.exists() else []
+    return {
+        "curve": [(step, r[LOSS]) for step, r in records if LOSS in r],
+        "step_times": [(step, r[STEP_TIME]) for step, r in records if STEP_TIME in r],
+        "log_steps": [step for step, r in records if any(k.startswith("train/") for k in r)],
+        "layers_run": [r[LAYERS_RUN] for _, r in records if LAYERS_RUN in r],
+    }
+
+
+def cumulative_times(log_steps: list[int], step_times: list[tuple[int, float]]) -> dict:
+    """Log step -> training seconds up to it: each window's steps times its step time; a
+    window without one (the first: compilation) at the next measured window's."""
+    measured = dict(step_times)
+    result, previous, total = {}, 0, 0.0
+    for index, step in enumerate(log_steps):
+        seconds = measured.get(step)
+        if seconds is None:
+            later = [measured[s] for s in log_steps[index + 1 :] if s in measured]
+            seconds = later[0] if later else math.nan
+        total += (step - previous) * seconds
+        result[step], previous = total, step
+    return result
+
+
+def steps_to_target(curve: list[tuple[int, float]], target: float) -> int | None:
+    """The first evaluated step at or below `target`; None if none is."""
+    return next((step for step, loss in curve if loss <= target), None)
+
+
+def time_at(times: dict, step: int) -> float:
+    """Training seconds to `step`: at the last log step at or before it, plus the steps
+    since at the next window's rate (exact when evaluations fall on log steps)."""
+    before = [s for s in times if s <= step]
+    after = [s for s in times if s > step]
+    base_step = max(before, default=0)
+    base = times.get(base_step, 0.0)
+    if step == base_step or not after:
+        return base
+    following = min(after)
+    rate = (times[following] - base) / (following - base_step)
+    return base + (step - base_step) * rate
+
+
+def points(directory: str, trials: dict) -> list[dict]:
+    """One record per labelled trial: labels, curve, best and final loss, step times."""
+    result = []
+    for name, trial in trials.items():
+        labels = trial.get("labels")
+        if not labels:
+            continue
+        read = read_trial(f"{directory}/{name}")
+        finite = [loss for _, loss in read["curve"] if math.isfinite(loss)]
+        seconds = [s for _, s in read["step_times"]]
+        result.append(
+            {
+                **labels,
+                "name": name,
+                "curve": read["curve"],
+                "times": cumulative_times(read["log_steps"], read["step_times"]),
+                "best": min(finite) if finite else math.inf,
+                "final": read["curve"][-1][1] if read["curve"] else math.nan,
+                "step_time": statistics.median(seconds) if seconds else math.nan,
+                "layers_run": statistics.mean(read["layers_run"]) if read["layers_run"] else None,
+                "status": trial.get("status", ""),
+            }
+        )
+    return result
+
+
+def rank(point: dict, target: float) -> tuple:
+    """Fewer steps to the target first, then the lower best held-out loss."""
+    steps = steps_to_target(point["curve"], target)
+    return (math.inf if steps is None else steps, point["best"])
+
+
+def baseline(grid: list[dict]) -> dict | None:
+    """The PostLN trial with the lowest best held-out loss."""
+    postln = [p for p in grid if p["arm"] == "postln" and math.isfinite(p["best"])]
+    return min(postln, key=lambda p: p["best"]) if postln else None
+
+
+def arms(grid: list[dict], target: float, gammas) -> list[tuple[str, dict]]:
+    """(row label, chosen point), in the report's order: per gamma, PLD at its best rate
+    and PreLN alone at that rate; then PreLN at its own best."""
+    rows = []
+    preln = {p["lr"]: p for p in grid if p["arm"] == "preln"}
+    for gamma in gammas:
+        pld = [p for p in grid if p["arm"] == "pld" and p.get("gamma") == gamma]
+        if not pld:
+            continue
+        chosen = min(pld, key=lambda p: rank(p, target))
+        rows.append((f"PreLN + PLD, gamma {gamma}, best lr", chosen))
+        if chosen["lr"] in preln:
+            rows.append((f"PreLN alone at that lr ({chosen['lr']:g})", preln[chosen["lr"]]))
+    if preln:
+        rows.append(("PreLN alone, best lr", min(preln.values(), key=lambda p: rank(p, target))))
+    return rows
+
+
+def comparison_table(base: dict, rows: list[tuple[str, dict]], target: float) -> str:
+    base_steps = steps_to_target(base["curve"], target)
+    base_time = time_at(base["times"], base_steps)
+    header = [
+        "arm",
+        "lr",
+        "steps to target",
+        "fewer steps",
+        "training time to target",
+        "faster",
+        "step time",
+        "step time ratio",
+        "layers run",
+        "best loss",
+        "final loss",
+    ]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for label, p in [("PostLN baseline, best lr", base), *rows]:
+        steps = steps_to_target(p["curve"], target)
+        seconds = time_at(p["times"], steps) if steps is not None else None
+        layers = "" if p["layers_run"] is None else f"{p['layers_run']:.2f}"
+        cells = [
+            label,
+            f"{p['lr']:g}",
+            "-" if steps is None else str(steps),
+            "" if steps is None else f"{base_steps / steps:.2f}x",
+            "-" if seconds is None else f"{seconds:.1f} s",
+            "" if seconds is None else f"{base_time / seconds:.2f}x",
+            number(1000 * p["step_time"], ".0f", " ms"),
+            number(p["step_time"] / base["step_time"], ".2f"),
+            layers,
+            number(p["best"], ".4f"),
+            number(p["final"], ".4f"),
+        ]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def number(value: float, spec: str, unit: str = "") -> str:
+    """`value` formatted, or `-` where it is not finite (no evaluation, or a divergence)."""
+    return f"{value:{spec}}{unit}" if math.isfinite(value) else "-"
+
+
+def grid_table(grid: list[dict], target: float, study: dict) -> str:
+    """Every seed-0 trial: steps to the target / best held-out loss, by arm and lr."""
+    rates = sorted({p["lr"] for p in grid})
+    header = ["arm", *(f"lr {lr:g}" for lr in rates)]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    groups = [("postln", None), *(("pld", g) for g in study["gammas"]), ("preln", None)]
+    for arm, gamma in groups:
+        mine = {p["lr"]: p for p in grid if p["arm"] == arm and p.get("gamma") == gamma}
+        if not mine:
+            continue
+        cells = []
+        for lr in rates:
+            p = mine.get(lr)
+            if p is None:
+                cells.append("")
+            elif not p["curve"]:
+                cells.append(f"({p['status'] or 'not run'})")
+            else:
+                steps = steps_to_target(p["curve"], target)
+                cells.append(f"{'-' if steps is None else steps} / {number(p['best'], '.3f')}")
+        lines.append(f"| {arm_name(arm, gamma)} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def study_report(directory: str, trials: dict, study: dict) -> str:
+    """The study's Markdown section; writes its plots into `directory`."""
+    every = points(directory, trials)
+    grid = [p for p in every if p["seed"] == 0]
+    base = baseline(grid)
+    lines = ["## PLD against the PostLN baseline: steps and time to its best held-out loss", ""]
+    if base is None:
+        return "\n".join([*lines, "No PostLN trial has a held-out loss yet."])
+    target = base["best"]
+    rows = arms(grid, target, study["gammas"])
+    lines += [
+        f"Target: the PostLN baseline's best held-out MLM loss, {target:.4f} (its lr "
+        f"{base['lr']:g}, the lowest of its grid). PLD: theta_bar {study['theta_bar']}, "
+        f"DeepSpeed's depth rule; every trial {study['num_steps']:,} steps. `-` = target "
+        "not reached. Times: the trials' logged step times added up to the step "
+        "(no compilation, no evaluation); step time: the median logged step; layers run: "
+        "the mean over the logged steps.",
+        "",
+        comparison_table(base, rows, target),
+        "",
+        f"The paper's claim: PLD reaches its PostLN baseline's downstream accuracy "
+        f"{study['paper_speedup']}x faster.",
+        "",
+        "Every trial (steps to the target / best held-out MLM loss):",
+        "",
+        grid_table(grid, target, study),
+        "",
+    ]
+    chosen = [("PostLN baseline", base), *rows]
+    gammas = list(study["gammas"])
+    plot_curves(directory, chosen, target, gammas)
+    plot_learning_rates(directory, grid, gammas)
+    seconds = sum(t.get("wall_time_s") or 0.0 for t in trials.values())
+    done = sum(t.get("status") == "finished" for t in trials.values())
+    lines += [
+        f"{done} of {len(trials)} trials finished; their wall times add up to "
+        f"{format_duration(seconds)} (trials that ran side by side overlap).",
+        "",
+        "Plots: pld_loss_vs_steps.png, pld_loss_vs_time.png, pld_learning_rates.png",
+    ]
+    return "\n".join(lines)
+
+
+def color(point: dict, gammas: list[str]) -> str:
+    """The arm's colour; PLD's second gamma its own."""
+    if point["arm"] == "pld" and point.get("gamma") != gammas[0]:
+        return "tab:olive"
+    return COLORS[point["arm"]]
+
+
+def plot_curves(directory: str, chosen: list, target: float, gammas: list[str]) -> None:
+    plt = plots.pyplot()
+    for by_time in (False, True):
+        figure, axis = plt.subplots(figsize=(7, 4.5))
+        for label, p in chosen:
+            curve = [(s, loss) for s, loss in p["curve"] if math.isfinite(loss)]
+            xs = [time_at(p["times"], s) if by_time else s for s, _ in curve]
+            axis.plot(
+                xs,
+                [loss for _, loss in curve],
+                "--" if label.startswith("PreLN alone") else "-",
+                marker="o",
+                markersize=3,
+                color=color(p, gammas),
+                label=label if "at that lr" in label else f"{label} ({p['lr']:g})",
+            )
+        axis.axhline(target, color="gray", linestyle=":", label=f"target {target:.3f}")
+        axis.set_xlabel("training time (s)" if by_time else "step")
+        axis.set_ylabel("held-out MLM loss")
+        axis.set_title(f"Held-out MLM loss against {'training time' if by_time else 'steps'}")
+        axis.legend(fontsize="small")
+        axis.grid(True, alpha=0.3)
+        figure.tight_layout()
+        plots.save(figure, directory, f"pld_loss_vs_{'time' if by_time else 'steps'}.png")
+
+
+def plot_learning_rates(directory: str, grid: list[dict], gammas: list[str]) -> None:
+    figure, axis = plots.pyplot().subplots(figsize=(7, 4.5))
+    for arm, gamma in [("postln", None), *(("pld", g) for g in gammas), ("preln", None)]:
+        mine = [p for p in grid if p["arm"] == arm and p.get("gamma") == gamma]
+        mine = sorted((p for p in mine if math.isfinite(p["best"])), key=lambda p: p["lr"])
+        if not mine:
+            continue
+        axis.plot(
+            [p["lr"] for p in mine],
+            [p["best"] for p in mine],
+            "-o",
+            color=color(mine[0], gammas),
+            label=arm_name(arm, gamma),
+        )
+    axis.set_xscale("log", base=2)
+    axis.set_xlabel("peak learning rate")
+    axis.set_ylabel("best held-out MLM loss")
+    axis.set_title("Best held-out loss against the learning rate")
+    axis.legend(fontsize="small")
+    axis.grid(True, which="both", alpha=0.3)
+    figure.tight_layout()
+    plots.save(figure, directory, "pld_learning_rates.png")
+
+
+def arm_name(arm: str, gamma: str | None) -> str:
+    return {"postln": "PostLN", "preln": "PreLN"}.get(arm, f"PreLN + PLD, gamma {gamma}")

@@ -1,0 +1,189 @@
+"""The PLD study (configs/studies/pld.py, lambjax.sweep.pld): its trials are the arms it
+names with DeepSpeed's recipe, its report picks the baseline and the arms by the rule it
+states, and its smallest form runs through `python -m lambjax.sweep` and `report`."""
+
+import json
+import math
+import os
+import sys
+
+import pytest
+
+from lambjax import cli
+from lambjax.sweep import pld, spec
+from lambjax.train import plan
+from lambjax.train.metrics import read_jsonl
+from tests.helpers import REPO, run
+
+CONFIG = "configs/studies/pld.py"
+
+
+def study_module():
+    return cli.load_module(os.path.join(REPO, CONFIG))[0]
+
+
+@pytest.mark.parametrize("size", ["cpu", "base"])
+def test_the_trials_are_the_arms_with_deepspeeds_recipe(size):
+    module = study_module()
+    study = module.SIZES[size]
+    config = module.get_config(size)
+    trials = spec.trials(config, module.get_sweep(size))
+    post, pre = study["postln_learning_rates"], study["preln_learning_rates"]
+    assert len(trials) == len(post) + 3 * len(pre)
+    assert max(pre) > max(post)  # the PreLN grid reaches higher
+    steps = study["num_steps"]
+    expected = {("postln", None, lr) for lr in post} | {("preln", None, lr) for lr in pre}
+    expected |= {("pld", gamma, lr) for gamma in ("0.001", "100/T") for lr in pre}
+    seen = set()
+    for trial in trials:
+        o, labels = trial.overrides, trial.labels
+        seen.add((labels["arm"], labels.get("gamma"), labels["lr"]))
+        assert o["model.overrides.layer_norm"] == ("post" if labels["arm"] == "postln" else "pre")
+        assert o["layer_drop.enabled"] == (labels["arm"] == "pld")
+        if labels["arm"] == "pld":
+            gamma = {"0.001": 0.001, "100/T": 100 / steps}[labels["gamma"]]
+            assert o["layer_drop.gamma"] == pytest.approx(gamma)
+        trial_config = config.copy_and_resolve_references()
+        trial_config.update_from_flattened_dict(o)
+        devices = 256 if size == "base" else 1
+        run_plan = plan.resolve(trial_config, vocab_size=2048, num_devices=devices)
+        phase = run_plan.phases[0]
+        assert phase.optimizer.name == "adamw" and not phase.optimizer.bias_correction
+        assert phase.schedule.warmup_fraction == 0.02
+        assert phase.schedule.learning_rate == labels["lr"]
+        if labels["arm"] == "pld":
+            assert phase.layer_drop.depth_rule == "deepspeed"
+            assert phase.layer_drop.theta_bar == 0.5
+    assert seen == expected
+    if size == "base":  # DeepSpeed's batch, sequence and micro-batch on 256 devices
+        assert (phase.batch.global_batch_size, phase.batch.max_seq_length) == (4096, 128)
+        assert phase.model.num_layers == 12 and phase.model.hidden_size == 768
+
+
+def point(arm, lr, curve, gamma=None, step_time=0.1):
+    times = {step: step * step_time for step, _ in curve}
+    finite = [loss for _, loss in curve if math.isfinite(loss)]
+    return dict(
+        arm=arm,
+        gamma=gamma,
+        lr=lr,
+        seed=0,
+        name="",
+        curve=curve,
+        times=times,
+        best=min(finite) if finite else math.inf,
+        final=curve[-1][1],
+        step_time=step_time,
+        layers_run=None,
+        status="finished",
+    )
+
+
+def test_the_report_takes_the_baseline_and_the_arms_by_its_rule():
+    grid = [
+        # PostLN: 1e-3 has the lowest best loss (5.0 at step 30): the target.
+        point("postln", 5e-4, [(10, 6.0), (20, 5.5), (30, 5.2)]),
+        point("postln", 1e-3, [(10, 5.8), (20, 5.3), (30, 5.0)]),
+        point("postln", 2e-3, [(10, 7.0), (20, math.nan), (30, math.nan)]),
+        # PLD: 4e-3 reaches 5.0 first (step 20); 2e-3 also reaches it, later.
+        point("pld", 2e-3, [(10, 5.6), (20, 5.1), (30, 4.9)], "0.001", 0.08),
+        point("pld", 4e-3, [(10, 5.5), (20, 4.95), (30, 4.99)], "0.001", 0.08),
+        # The other gamma: nothing reaches the target, the lower best loss wins.
+        point("pld", 2e-3, [(10, 5.6), (20, 5.2), (30, 5.05)], "100/T", 0.07),
+        point("pld", 4e-3, [(10, 5.6), (20, 5.3), (30, 5.1)], "100/T", 0.07),
+        point("preln", 2e-3, [(10, 5.6), (20, 5.2), (30, 5.0)]),
+        point("preln", 4e-3, [(10, 5.7), (20, 5.3), (30, 5.1)]),
+    ]
+    base = pld.baseline(grid)
+    assert base["lr"] == 1e-3 and base["best"] == 5.0
+    rows = pld.arms(grid, base["best"], ["0.001", "100/T"])
+    assert [(label, p["arm"], p["lr"]) for label, p in rows] == [
+        ("PreLN + PLD, gamma 0.001, best lr", "pld", 4e-3),
+        ("PreLN alone at that lr (0.004)", "preln", 4e-3),
+        ("PreLN + PLD, gamma 100/T, best lr", "pld", 2e-3),
+        ("PreLN alone at that lr (0.002)", "preln", 2e-3),
+        ("PreLN alone, best lr", "preln", 2e-3),
+    ]
+    table = pld.comparison_table(base, rows, base["best"])
+    # Baseline: 30 steps, 3.0 s; PLD: 20 steps at 0.08 s = 1.6 s: 1.5x the steps, 1.88x the time.
+    assert "| PreLN + PLD, gamma 0.001, best lr | 0.004 | 20 | 1.50x | 1.6 s | 1.88x | 80 ms |" in (
+        table
+    )
+    assert "| PreLN + PLD, gamma 100/T, best lr | 0.002 | - |  | - |  | 70 ms | 0.70 |" in table
+
+
+def test_training_time_adds_the_logged_windows():
+    # Log every 5 steps; the first window (compilation) has no step time: the next one's.
+    log_steps = [5, 10, 15, 20]
+    step_times = [(10, 0.2), (15, 0.3), (20, 0.1)]
+    times = pld.cumulative_times(log_steps, step_times)
+    assert times == pytest.approx({5: 1.0, 10: 2.0, 15: 3.5, 20: 4.0})
+    assert pld.time_at(times, 15) == pytest.approx(3.5)
+    assert pld.time_at(times, 12) == pytest.approx(2.0 + 2 * 0.3)
+    assert pld.steps_to_target([(10, 6.0), (20, 5.5)], 5.5) == 20
+    assert pld.steps_to_target([(10, 6.0), (20, math.nan)], 5.5) is None
+
+
+def test_the_smallest_study_runs_through_the_sweep_and_report(tmp_path, data_dir):
+    workdir = tmp_path / "study"
+    command = [
+        "-m",
+        "lambjax.sweep",
+        f"--config={CONFIG}:smoke",
+        f"--workdir={workdir}",
+        f"--config.data.data_dir={data_dir}",
+        "--parallel=2",
+    ]
+    run([sys.executable, *command], 1, timeout=1200)  # 4 trials, two of them compile PLD
+    state = json.loads((workdir / "sweep.json").read_text())
+    module = study_module()
+    assert state["study"] == module.get_study("smoke")
+    assert {t["status"] for t in state["trials"].values()} == {"finished"}
+    assert sorted(state["trials"]) == sorted(
+        [
+            "arm=postln,lr=0.001,seed=0",
+            "arm=pld,gamma=0.001,lr=0.002,seed=0",
+            "arm=pld,gamma=100_T,lr=0.002,seed=0",
+            "arm=preln,lr=0.002,seed=0",
+        ]
+    )
+    result = run([sys.executable, "-m", "lambjax.sweep", "report", str(workdir)], 1)
+    report = (workdir / "report.md").read_text()
+    assert "## PLD against the PostLN baseline" in report
+    assert report.split("\n", 2)[2].strip() in result.stdout
+    for name in ("pld_loss_vs_steps.png", "pld_loss_vs_time.png", "pld_learning_rates.png"):
+        assert (workdir / name).stat().st_size > 1000
+    # The target is the PostLN trial's best held-out loss, read here from its metrics.
+    evals = {}
+    for name in state["trials"]:
+        records = read_jsonl(str(workdir / name / "metrics.jsonl"))
+        evals[name] = [
+            (s, r["eval/mlm_loss"]) for s, r in sorted(records.items()) if "eval/mlm_loss" in r
+        ]
+        assert [s for s, _ in evals[name]] == [2, 4]
+    target = min(loss for _, loss in evals["arm=postln,lr=0.001,seed=0"])
+    assert f"Target: the PostLN baseline's best held-out MLM loss, {target:.4f}" in report
+    pld_name = "arm=pld,gamma=0.001,lr=0.002,seed=0"
+    reached = next((str(s) for s, loss in evals[pld_name] if loss <= target), "-")
+    best = min(loss for _, loss in evals[pld_name])
+    assert f"| PreLN + PLD, gamma 0.001, best lr | 0.002 | {reached} |" in report
+    assert f"{best:.4f} | {evals[pld_name][-1][1]:.4f} |" in report
+
+
+def test_an_unknown_size_ends_with_one_line(tmp_path):
+    result = run(
+        [
+            sys.executable,
+            "-m",
+            "lambjax.sweep",
+            f"--config={CONFIG}:huge",
+            f"--workdir={tmp_path}/x",
+        ],
+        1,
+        check=False,
+    )
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines()[-1] == (
+        f"lambjax.sweep: error: --config={CONFIG}:huge: size 'huge'; valid: cpu, base, smoke"
+    )
+    assert not (tmp_path / "x").exists()
