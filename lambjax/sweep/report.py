@@ -119,8 +119,13 @@ def study_answer(directory: str, trials: dict, study: dict) -> str:
         from lambjax.sweep import batch_scaling
 
         return batch_scaling.study_report(directory, trials, study)
+    if study.get("kind") == "chunked_accumulation":
+        from lambjax.sweep import chunked_accumulation
+
+        return chunked_accumulation.study_report(directory, trials, study)
     raise ValueError(
-        f"sweep.json names a study of kind {study.get('kind')!r}; known: batch_scaling"
+        f"sweep.json names a study of kind {study.get('kind')!r}; known: batch_scaling, "
+        "chunked_accumulation"
     )
 
 
