@@ -30,7 +30,13 @@ from lambjax.sweep.batch_scaling import eval_curve
 from lambjax.train.metrics import format_duration
 
 VRR_FILE = "variance_retention.json"
-STYLES = {"float32": ("black", "o"), "naive": ("tab:red", "^"), "chunk64": ("tab:blue", "s")}
+STYLES = {
+    "float32": ("black", "o"),
+    "naive": ("tab:red", "^"),
+    "chunk64": ("tab:blue", "s"),
+    "naive_e6m4": ("tab:orange", "v"),
+    "chunk64_e6m4": ("tab:cyan", "D"),
+}
 
 
 def finals(directory: str, trials: dict) -> list[dict]:
@@ -98,6 +104,18 @@ def training_table(records: list[dict], study: dict) -> str:
             f"{'' if final is None else f'{final:.4f}'} | {gap} | {time} | {r['status']} |"
         )
     return "\n".join(lines)
+
+
+def exploratory(records: list[dict], study: dict) -> str:
+    """The arms outside the rule, as gaps to float32 (seed 0)."""
+    by_arm = {r["accumulation"]: r["final"] for r in records if r["seed"] == 0}
+    baseline = by_arm.get(study["baseline"])
+    gaps = [
+        f"{arm} - float32 = {by_arm[arm] - baseline:+.4f}"
+        for arm in study.get("exploratory", [])
+        if by_arm.get(arm) is not None and baseline is not None
+    ]
+    return f"Outside the rule (exploratory arms): {', '.join(gaps)}." if gaps else ""
 
 
 def noise(records: list[dict], study: dict) -> str:
@@ -183,9 +201,9 @@ def study_report(directory: str, trials: dict, study: dict) -> str:
         "",
         verdict(records, study),
     ]
-    spread = noise(records, study)
-    if spread:
-        lines += ["", spread]
+    for extra in (exploratory(records, study), noise(records, study)):
+        if extra:
+            lines += ["", extra]
     lines += [
         "",
         f"### Variance retention: {settings['sums']:,} sums of {settings['length']:,} N(0, 1) "
@@ -214,7 +232,7 @@ def plot_training(directory: str, records: list[dict]) -> None:
         axis.plot(steps, losses, style, marker=marker, color=color, label=label)
     axis.set_xlabel("step")
     axis.set_ylabel("held-out MLM loss")
-    axis.set_title("8-bit operands, 1-6-9 accumulator: naive against chunks of 64")
+    axis.set_title("8-bit operands, 16-bit accumulator: naive against chunks of 64")
     axis.legend(fontsize="small")
     axis.grid(True, alpha=0.3)
     figure.tight_layout()
