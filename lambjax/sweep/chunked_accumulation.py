@@ -232,7 +232,7 @@ def plot_training(directory: str, records: list[dict]) -> None:
         axis.plot(steps, losses, style, marker=marker, color=color, label=label)
     axis.set_xlabel("step")
     axis.set_ylabel("held-out MLM loss")
-    axis.set_title("8-bit operands, 16-bit accumulator: naive against chunks of 64")
+    axis.set_title("8-bit operands: naive accumulation against chunks of 64")
     axis.legend(fontsize="small")
     axis.grid(True, alpha=0.3)
     figure.tight_layout()
