@@ -105,7 +105,8 @@ def accumulation_format(name: str) -> Format:
 
 
 def scale_to_unit(x: jax.Array) -> jax.Array:
-    """The power of two that brings x's largest magnitude into [1, 2); 1 for all zeros."""
+    """The power of two that brings x's largest magnitude into [1, 2) (2 for all zeros,
+    which stay zeros)."""
     _, exponent = jnp.frexp(jnp.max(jnp.abs(x)))  # max = m * 2^exponent, m in [0.5, 1)
     return jnp.ldexp(jnp.float32(1), 1 - exponent).astype(jnp.float32)
 
@@ -151,7 +152,8 @@ def _emulated_matmul(a, b, chunk_size: int | None, fmt: Format, operand_dtype) -
         return _round_add(total, chunk_sum, fmt), None
 
     total, _ = jax.lax.scan(add_chunk, jnp.zeros((rows, columns), fmt.storage), chunk_sums)
-    return total.astype(jnp.float32) / (a_scale * b_scale)
+    # One scale at a time: their product can leave float32's range where each does not.
+    return total.astype(jnp.float32) / a_scale / b_scale
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
