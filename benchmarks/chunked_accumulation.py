@@ -4,19 +4,32 @@
 
 The dot products of uniform [0, 1) float16 operands (all-positive terms: the running sum grows
 and swamps later addends, the case Wang et al. 2018 and Sakr et al. 2019 address) and of
-standard-normal ones, accumulated in float16 and in bfloat16 with `chunked_dot`. For each
-chunk size it prints the maximum relative error against float64 and its ratio to naive
-accumulation (one chunk of the whole contraction, the named baseline), and the variance
-retention ratio of Sakr et al. (variance of the computed sums over that of the exact ones).
+standard-normal ones, accumulated with `chunked_dot` in float16, in bfloat16, and as Wang et
+al. 2018 do (operands rounded to 1-5-2, float8_e5m2, products and sums in 1-6-9, e6m9). For
+each chunk size it prints the maximum relative error against float64 and its ratio to naive
+accumulation (one chunk of the whole contraction, the named baseline), and the measured
+variance retention ratio (the variance of the computed sums over that of the exact ones:
+Sakr et al.'s measure, here measured; lambjax.variance_retention predicts it, and
+configs/studies/chunked_accumulation.py compares the two).
 """
 
 import argparse
+import functools
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from lambjax import precision
+
+# (accumulation format, operand format). The 8-bit row is measured against the float64
+# product of the operands as rounded to 1-5-2, so that it shows the accumulation's error.
+FORMATS = [
+    ("float16", None),
+    ("bfloat16", None),
+    ("e6m9", "float8_e5m2"),
+    ("float32", None),
+]
 
 
 def operands(kind: str, rows: int, length: int, columns: int, seed: int):
@@ -25,6 +38,12 @@ def operands(kind: str, rows: int, length: int, columns: int, seed: int):
     a = jnp.asarray(draw(size=(rows, length)), jnp.float16)
     b = jnp.asarray(draw(size=(length, columns)), jnp.float16)
     return a, b
+
+
+def reference(a, b, operand_dtype) -> np.ndarray:
+    """a @ b in float64, of the operands as chunked_dot rounds them."""
+    (qa, sa), (qb, sb) = (precision.quantize(x, operand_dtype) for x in (a, b))
+    return (np.asarray(qa, np.float64) / float(sa)) @ (np.asarray(qb, np.float64) / float(sb))
 
 
 def main():
@@ -36,18 +55,20 @@ def main():
     chunks = [1, 4, 16, 64, 256, 1024, args.length]
     for kind in ("uniform", "normal"):
         a, b = operands(kind, args.rows, args.length, args.columns, seed=0)
-        exact = np.asarray(a, np.float64) @ np.asarray(b, np.float64)
         metric = "max relative error" if kind == "uniform" else "RMS error / RMS of the sums"
         print(f"\n{kind} operands, contraction {args.length}, {a.shape[0] * b.shape[1]} sums")
         print(f"{'accumulator':<11} {'chunk':>6} {metric:>28} {'naive / this':>13} {'VRR':>7}")
-        for dtype in ("float16", "bfloat16", "float32"):
+        for dtype, operand_dtype in FORMATS:
+            exact = reference(a, b, operand_dtype)
             errors, vrrs = {}, {}
             for chunk in chunks:
-                run = jax.jit(
-                    lambda a, b, chunk=chunk, dtype=dtype: precision.chunked_dot(
-                        a, b, chunk_size=chunk, accumulation_dtype=dtype
-                    )
+                accumulate = functools.partial(
+                    precision.chunked_dot,
+                    chunk_size=chunk,
+                    accumulation_dtype=dtype,
+                    operand_dtype=operand_dtype,
                 )
+                run = jax.jit(accumulate)
                 out = np.asarray(run(a, b), np.float64)
                 if kind == "uniform":
                     errors[chunk] = np.max(np.abs(out - exact) / np.abs(exact))
@@ -57,8 +78,9 @@ def main():
             for chunk in chunks:
                 ratio = errors[args.length] / errors[chunk]
                 label = "naive" if chunk == args.length else str(chunk)
+                name = f"{dtype}/fp8" if operand_dtype else dtype
                 print(
-                    f"{dtype:<11} {label:>6} {errors[chunk]:>28.3g} {ratio:>13.1f} "
+                    f"{name:<11} {label:>6} {errors[chunk]:>28.3g} {ratio:>13.1f} "
                     f"{vrrs[chunk]:>7.4f}"
                 )
 

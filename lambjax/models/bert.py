@@ -58,8 +58,10 @@ class BertConfig:
     remat: bool = False  # recompute each layer's activations in the backward pass
     # How the encoder's matmuls accumulate: "float32" (the platform's dot), or an emulation
     # of low-precision accumulation, "float16" (naive) or "float16:chunk=64" (chunk-based),
-    # likewise bfloat16 (lambjax.precision). The embeddings and the heads keep the platform's
-    # dot, as Wang et al. keep the first and last layers in higher precision.
+    # likewise bfloat16 or an eXmY format, of 8-bit operands with ":operands=float8_e5m2"
+    # ("e6m9:chunk=64:operands=float8_e5m2": Wang et al.'s setting; lambjax.precision). The
+    # embeddings and the heads keep the platform's dot, as Wang et al. keep the first and
+    # last layers in higher precision.
     matmul_accumulation: str = "float32"
     # "auto", "xla", "cudnn" or "splash": the attention kernel (lambjax.models.attention).
     attention: str = "auto"

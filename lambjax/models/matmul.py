@@ -18,7 +18,7 @@ On other platforms (GPU, TPU), and in float32, it is a plain `a @ b`.
 
 `encoder_dot_general` and `attention_einsum` are the encoder's matmuls under a model's
 `matmul_accumulation` setting: the above, or lambjax.precision's emulated chunk-based
-low-precision accumulation.
+low-precision accumulation (16-bit or eXmY accumulators, optionally of 8-bit operands).
 """
 
 import math
@@ -131,10 +131,7 @@ def _accumulation(setting: str):
     """chunked_dot's keyword arguments for a `matmul_accumulation` setting, or None (the
     platform's dot)."""
     parsed = parse_accumulation(setting)
-    if parsed is None:
-        return None
-    dtype_name, chunk_size = parsed
-    return {"accumulation_dtype": dtype_name, "chunk_size": chunk_size}
+    return None if parsed is None else parsed._asdict()
 
 
 def encoder_dot_general(accumulation: str):

@@ -9,6 +9,7 @@ and loss against each swept field). DIR may also be a single run's workdir. Tens
 pointed at DIR shows every trial.
 """
 
+import importlib
 import json
 import math
 import os
@@ -113,19 +114,23 @@ def write_report(directory: str) -> str:
     return text
 
 
+# A study's `kind` (its config's get_study) -> the module whose study_report answers it. The
+# modules import this one for its tables, so they are imported when a report needs them.
+STUDY_REPORTS = {
+    "batch_scaling": "lambjax.sweep.batch_scaling",
+    "chunked_accumulation": "lambjax.sweep.chunked_accumulation",
+    "pld": "lambjax.sweep.pld",
+}
+
+
 def study_answer(directory: str, trials: dict, study: dict) -> str:
     """The section that answers a study's question (its `kind`)."""
-    if study.get("kind") == "batch_scaling":
-        from lambjax.sweep import batch_scaling
-
-        return batch_scaling.study_report(directory, trials, study)
-    if study.get("kind") == "pld":
-        from lambjax.sweep import pld
-
-        return pld.study_report(directory, trials, study)
-    raise ValueError(
-        f"sweep.json names a study of kind {study.get('kind')!r}; known: batch_scaling, pld"
-    )
+    kind = study.get("kind")
+    if kind not in STUDY_REPORTS:
+        raise ValueError(
+            f"sweep.json names a study of kind {kind!r}; known: {', '.join(STUDY_REPORTS)}"
+        )
+    return importlib.import_module(STUDY_REPORTS[kind]).study_report(directory, trials, study)
 
 
 def plot_curves(directory: str, trials: dict) -> None:
