@@ -63,6 +63,9 @@ class BertConfig:
     matmul_accumulation: str = "float32"
     # "auto", "xla", "cudnn" or "splash": the attention kernel (lambjax.models.attention).
     attention: str = "auto"
+    # GELU in the MLPs and the MLM head's transform: False = exact (erf), as BERT; True = the
+    # tanh approximation (transformers' "gelu_new"), cheaper where erf is a long polynomial.
+    gelu_approximate: bool = False
 
     def __post_init__(self):
         for name in (
@@ -87,6 +90,11 @@ class BertConfig:
         if self.normalization not in ("layer_norm", "none"):
             raise ValueError(
                 f"BertConfig.normalization={self.normalization!r}; valid: 'layer_norm', 'none'"
+            )
+        if not isinstance(self.gelu_approximate, bool):
+            raise ValueError(
+                f"BertConfig.gelu_approximate={self.gelu_approximate!r}; valid: True (tanh), "
+                "False (erf)"
             )
         for name in ("hidden_dropout", "attention_dropout"):
             if not 0 <= getattr(self, name) < 1:
@@ -238,7 +246,7 @@ class Mlp(nn.Module):
         x = dense(
             c, c.intermediate_size, ("embed", "mlp"), "intermediate", dot_general=dot_general
         )(x)
-        x = nn.gelu(x, approximate=False)
+        x = nn.gelu(x, approximate=c.gelu_approximate)
         x = dense(c, c.hidden_size, ("mlp", "embed"), "output", dot_general=dot_general)(x)
         return nn.Dropout(c.hidden_dropout)(x, deterministic=deterministic)
 
@@ -279,7 +287,7 @@ class Heads(nn.Module):
         # Gather first: the MLM head runs on P masked positions, not all S tokens.
         x = jnp.take_along_axis(h, masked_lm_positions[..., None], axis=1)
         x = dense(c, c.hidden_size, ("embed", "mlp"), "mlm_transform")(x)
-        x = nn.gelu(x, approximate=False)
+        x = nn.gelu(x, approximate=c.gelu_approximate)
         x = _layer_norm(c, "mlm_layer_norm")(x)
         bias = self.param(
             "mlm_bias",
