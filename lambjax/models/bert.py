@@ -8,11 +8,13 @@ Parameters are a plain pytree:
   heads/{pooler, mlm_transform, mlm_layer_norm, mlm_bias, nsp}
 
 The encoder layers are stored stacked and run with `lax.scan` (compile time independent of
-depth) or, with `scan_layers=False`, a Python loop over the same stacked tree. The forward
-takes a per-layer keep mask (a dropped layer is skipped with `lax.cond`, its compute never
-runs) and a number of bottom layers that run without gradient. Every parameter carries
-logical axis names (lambjax.sharding maps them). The pretraining losses on top of the
-encoder are in lambjax.models.pretraining.
+depth) or, with `scan_layers=False`, a Python loop. The loop also runs the layers held one
+tree per layer, `encoder/layers_0 ... layers_{L-1}` (lambjax.models.layer_layout): an
+unrolled train step then differentiates each layer's own tree and never assembles a stacked
+gradient (lambjax.train.layout). The forward takes a per-layer keep mask (a dropped layer
+is skipped with `lax.cond`, its compute never runs) and a number of bottom layers that run
+without gradient. Every parameter carries logical axis names (lambjax.sharding maps them).
+The pretraining losses on top of the encoder are in lambjax.models.pretraining.
 """
 
 import dataclasses
@@ -23,7 +25,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
-from lambjax.models import attention, matmul, standardization
+from lambjax.models import attention, layer_layout, matmul, standardization
 from lambjax.precision import parse_accumulation
 
 PRESETS = {
@@ -393,8 +395,9 @@ def run_layers(
 
     Args:
       config: the model's BertConfig.
-      layers: the stacked parameters of the layers to run (every leaf's leading axis: the
-        layers), e.g. a slice of `params["encoder"]["layers"]`.
+      layers: the parameters of the layers to run: stacked (every leaf's leading axis: the
+        layers), e.g. a slice of `params["encoder"]["layers"]`, or, run unrolled only, a list
+        of per-layer trees (`layer_layout.encoder_layers`).
       h: the hidden states entering the first of them.
       attention_bias: `attention_bias(input_mask)`.
       rng: the dropout key; layer i draws from fold_in(rng, first_index + i), so a slice of
@@ -411,7 +414,12 @@ def run_layers(
       0 without a token mask).
     """
     deterministic = rng is None
-    count = jax.tree.leaves(layers)[0].shape[0]
+    per_layer = isinstance(layers, list)
+    if per_layer and config.scan_layers:
+        raise ValueError(
+            "run_layers: lax.scan runs a stacked tree; per-layer trees run with scan_layers=False"
+        )
+    count = len(layers) if per_layer else jax.tree.leaves(layers)[0].shape[0]
     indices = first_index + jnp.arange(count)  # first_index may be traced
     skip_dropped = keep is not None
     keep = jnp.ones((count,), bool) if keep is None else keep
@@ -449,7 +457,9 @@ def run_layers(
         return h, jnp.sum(losses)
     total = jnp.zeros((), jnp.float32)
     for i in range(count):
-        h, loss = apply_layer(h, jax.tree.map(lambda x, i=i: x[i], xs))
+        # A per-layer tree is passed whole: its gradient is its own, not a slice's.
+        layer = layers[i] if per_layer else jax.tree.map(lambda x, i=i: x[i], layers)
+        h, loss = apply_layer(h, (layer, indices[i], keep[i], scale[i]))
         total = total + loss
     return h, total
 
@@ -486,7 +496,7 @@ def encoder_outputs_and_standardization_loss(
     )
     total = standardization.sown_total(variables)
     bias = attention_bias(input_mask)
-    layers = params["encoder"]["layers"]
+    layers = layer_layout.encoder_layers(params["encoder"])
     n = num_frozen_layers
     if not 0 <= n <= config.num_layers:
         raise ValueError(f"num_frozen_layers={n} must lie in [0, {config.num_layers}]")
@@ -495,7 +505,7 @@ def encoder_outputs_and_standardization_loss(
         return None if x is None else x[lo:hi]
 
     if n:
-        frozen = jax.tree.map(lambda x: jax.lax.stop_gradient(x[:n]), layers)
+        frozen = jax.lax.stop_gradient(layer_layout.cut_layers(layers, 0, n))
         h, loss = run_layers(
             config,
             frozen,
@@ -509,7 +519,7 @@ def encoder_outputs_and_standardization_loss(
         )
         h, total = jax.lax.stop_gradient(h), total + loss
     if n < config.num_layers:
-        top = jax.tree.map(lambda x: x[n:], layers)
+        top = layer_layout.cut_layers(layers, n, None)
         h, loss = run_layers(
             config,
             top,
