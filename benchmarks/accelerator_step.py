@@ -47,6 +47,7 @@ from train_step import (
 
 from lambjax import distributed, xla_flags
 from lambjax.models import attention, bert
+from lambjax.train import layout
 from lambjax.train import step as step_lib
 from lambjax.train.config import OPTIMIZERS, optimizer_config
 from lambjax.train.optimizer import make_optimizer
@@ -104,10 +105,14 @@ def lambjax_seconds(case: Case, config: bert.BertConfig, args) -> float:
         ),
         donate_argnums=(0,),
     )
-    state = jax.jit(
-        lambda key: TrainState.create(bert.init_params(config, key), optimizer),
-        out_shardings=NamedSharding(mesh, PartitionSpec()),
-    )(jax.random.key(0))
+
+    def init_state(key):  # held as the trainer's steps hold it (lambjax.train.layout)
+        state = TrainState.create(bert.init_params(config, key), optimizer)
+        return layout.to_running(state, 0) if layout.per_layer(config, False) else state
+
+    state = jax.jit(init_state, out_shardings=NamedSharding(mesh, PartitionSpec()))(
+        jax.random.key(0)
+    )
     global_batch = case.batch_per_device * jax.device_count() * case.grad_accum
     batch = random_batch(global_batch, seq, predictions)
     batch = jax.device_put(batch, NamedSharding(mesh, PartitionSpec("data")))

@@ -8,11 +8,13 @@ Parameters are a plain pytree:
   heads/{pooler, mlm_transform, mlm_layer_norm, mlm_bias, nsp}
 
 The encoder layers are stored stacked and run with `lax.scan` (compile time independent of
-depth) or, with `scan_layers=False`, a Python loop over the same stacked tree. The forward
-takes a per-layer keep mask (a dropped layer is skipped with `lax.cond`, its compute never
-runs) and a number of bottom layers that run without gradient. Every parameter carries
-logical axis names (lambjax.sharding maps them). The pretraining losses on top of the
-encoder are in lambjax.models.pretraining.
+depth) or, with `scan_layers=False`, a Python loop. The loop also runs the layers held one
+tree per layer, `encoder/layers_0 ... layers_{L-1}` (lambjax.models.layer_layout): an
+unrolled train step then differentiates each layer's own tree and never assembles a stacked
+gradient (lambjax.train.layout). The forward takes a per-layer keep mask (a dropped layer
+is skipped with `lax.cond`, its compute never runs) and a number of bottom layers that run
+without gradient. Every parameter carries logical axis names (lambjax.sharding maps them).
+The pretraining losses on top of the encoder are in lambjax.models.pretraining.
 """
 
 import dataclasses
@@ -23,7 +25,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
-from lambjax.models import attention, matmul, standardization
+from lambjax.models import attention, layer_layout, matmul, standardization
 from lambjax.precision import parse_accumulation
 
 PRESETS = {
@@ -65,6 +67,9 @@ class BertConfig:
     matmul_accumulation: str = "float32"
     # "auto", "xla", "cudnn" or "splash": the attention kernel (lambjax.models.attention).
     attention: str = "auto"
+    # GELU in the MLPs and the MLM head's transform: False = exact (erf), as BERT; True = the
+    # tanh approximation (transformers' "gelu_new"), cheaper where erf is a long polynomial.
+    gelu_approximate: bool = False
 
     def __post_init__(self):
         for name in (
@@ -89,6 +94,11 @@ class BertConfig:
         if self.normalization not in ("layer_norm", "none"):
             raise ValueError(
                 f"BertConfig.normalization={self.normalization!r}; valid: 'layer_norm', 'none'"
+            )
+        if not isinstance(self.gelu_approximate, bool):
+            raise ValueError(
+                f"BertConfig.gelu_approximate={self.gelu_approximate!r}; valid: True (tanh), "
+                "False (erf)"
             )
         for name in ("hidden_dropout", "attention_dropout"):
             if not 0 <= getattr(self, name) < 1:
@@ -243,7 +253,7 @@ class Mlp(nn.Module):
         x = dense(
             c, c.intermediate_size, ("embed", "mlp"), "intermediate", dot_general=dot_general
         )(x)
-        x = nn.gelu(x, approximate=False)
+        x = nn.gelu(x, approximate=c.gelu_approximate)
         x = dense(c, c.hidden_size, ("mlp", "embed"), "output", dot_general=dot_general)(x)
         return nn.Dropout(c.hidden_dropout)(x, deterministic=deterministic)
 
@@ -293,7 +303,7 @@ class Heads(nn.Module):
         # Gather first: the MLM head runs on P masked positions, not all S tokens.
         x = jnp.take_along_axis(h, masked_lm_positions[..., None], axis=1)
         x = dense(c, c.hidden_size, ("embed", "mlp"), "mlm_transform")(x)
-        x = nn.gelu(x, approximate=False)
+        x = nn.gelu(x, approximate=c.gelu_approximate)
         x = _layer_norm(c, "mlm_layer_norm")(x)
         bias = self.param(
             "mlm_bias",
@@ -402,8 +412,9 @@ def run_layers(
 
     Args:
       config: the model's BertConfig.
-      layers: the stacked parameters of the layers to run (every leaf's leading axis: the
-        layers), e.g. a slice of `params["encoder"]["layers"]`.
+      layers: the parameters of the layers to run: stacked (every leaf's leading axis: the
+        layers), e.g. a slice of `params["encoder"]["layers"]`, or, run unrolled only, a list
+        of per-layer trees (`layer_layout.encoder_layers`).
       h: the hidden states entering the first of them.
       attention_bias: `attention_bias(input_mask)`.
       rng: the dropout key; layer i draws from fold_in(rng, first_index + i), so a slice of
@@ -420,7 +431,12 @@ def run_layers(
       0 without a token mask).
     """
     deterministic = rng is None
-    count = jax.tree.leaves(layers)[0].shape[0]
+    per_layer = isinstance(layers, list)
+    if per_layer and config.scan_layers:
+        raise ValueError(
+            "run_layers: lax.scan runs a stacked tree; per-layer trees run with scan_layers=False"
+        )
+    count = len(layers) if per_layer else jax.tree.leaves(layers)[0].shape[0]
     indices = first_index + jnp.arange(count)  # first_index may be traced
     skip_dropped = keep is not None
     keep = jnp.ones((count,), bool) if keep is None else keep
@@ -458,7 +474,9 @@ def run_layers(
         return h, jnp.sum(losses)
     total = jnp.zeros((), jnp.float32)
     for i in range(count):
-        h, loss = apply_layer(h, jax.tree.map(lambda x, i=i: x[i], xs))
+        # A per-layer tree is passed whole: its gradient is its own, not a slice's.
+        layer = layers[i] if per_layer else jax.tree.map(lambda x, i=i: x[i], layers)
+        h, loss = apply_layer(h, (layer, indices[i], keep[i], scale[i]))
         total = total + loss
     return h, total
 
@@ -501,7 +519,7 @@ def encoder_outputs_and_standardization_loss(
     )
     total = standardization.sown_total(variables)
     bias = attention_bias(input_mask, example_ids)
-    layers = params["encoder"]["layers"]
+    layers = layer_layout.encoder_layers(params["encoder"])
     n = num_frozen_layers
     if not 0 <= n <= config.num_layers:
         raise ValueError(f"num_frozen_layers={n} must lie in [0, {config.num_layers}]")
@@ -510,7 +528,7 @@ def encoder_outputs_and_standardization_loss(
         return None if x is None else x[lo:hi]
 
     if n:
-        frozen = jax.tree.map(lambda x: jax.lax.stop_gradient(x[:n]), layers)
+        frozen = jax.lax.stop_gradient(layer_layout.cut_layers(layers, 0, n))
         h, loss = run_layers(
             config,
             frozen,
@@ -524,7 +542,7 @@ def encoder_outputs_and_standardization_loss(
         )
         h, total = jax.lax.stop_gradient(h), total + loss
     if n < config.num_layers:
-        top = jax.tree.map(lambda x: x[n:], layers)
+        top = layer_layout.cut_layers(layers, n, None)
         h, loss = run_layers(
             config,
             top,

@@ -46,9 +46,17 @@ _HEADS = {
 }
 
 
+# transformers' names of the two GELUs lambjax has (BertConfig.gelu_approximate).
+_HIDDEN_ACT = {"gelu": False, "gelu_new": True, "gelu_pytorch_tanh": True}
+
+
 def config_from_hf(hf: dict) -> bert.BertConfig:
-    if hf.get("hidden_act", "gelu") != "gelu":
-        raise ValueError(f"hidden_act={hf['hidden_act']!r}: lambjax BERT uses exact 'gelu'")
+    hidden_act = hf.get("hidden_act", "gelu")
+    if hidden_act not in _HIDDEN_ACT:
+        raise ValueError(
+            f"hidden_act={hidden_act!r}: lambjax BERT runs {sorted(_HIDDEN_ACT)} "
+            "(exact GELU, or its tanh approximation)"
+        )
     return bert.BertConfig(
         vocab_size=hf["vocab_size"],
         hidden_size=hf["hidden_size"],
@@ -61,6 +69,7 @@ def config_from_hf(hf: dict) -> bert.BertConfig:
         attention_dropout=hf.get("attention_probs_dropout_prob", 0.1),
         layer_norm_eps=hf.get("layer_norm_eps", 1e-12),
         initializer_range=hf.get("initializer_range", 0.02),
+        gelu_approximate=_HIDDEN_ACT[hidden_act],
         dtype="float32",
     )
 
@@ -74,7 +83,7 @@ def config_to_hf(config: bert.BertConfig) -> dict:
         "num_hidden_layers": config.num_layers,
         "num_attention_heads": config.num_heads,
         "intermediate_size": config.intermediate_size,
-        "hidden_act": "gelu",
+        "hidden_act": "gelu_pytorch_tanh" if config.gelu_approximate else "gelu",
         "max_position_embeddings": config.max_position_embeddings,
         "type_vocab_size": config.type_vocab_size,
         "hidden_dropout_prob": config.hidden_dropout,

@@ -129,8 +129,11 @@ def base_config() -> ml_collections.ConfigDict:
         {
             "preset": "tiny",
             # Fields of BertConfig to override; vocab_size defaults to the data's vocab.
-            # `attention` is here so that --config.model.overrides.attention=... can set it.
-            "overrides": ml_collections.ConfigDict({"dtype": "bfloat16", "attention": "auto"}),
+            # `attention` and `gelu_approximate` are here so that
+            # --config.model.overrides.attention=... can set them.
+            "overrides": ml_collections.ConfigDict(
+                {"dtype": "bfloat16", "attention": "auto", "gelu_approximate": False}
+            ),
         }
     )
     config.data = data_lib.default_config()

@@ -16,7 +16,7 @@ iterations:
 
 import dataclasses
 from collections.abc import Callable
-from typing import NamedTuple, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import jax
 import jax.numpy as jnp
@@ -25,11 +25,26 @@ import numpy as np
 from lambjax import sharding
 
 
+def _same(state):
+    return state
+
+
 class CompiledSteps(NamedTuple):
-    init_state: Callable | None  # rng -> state (pretraining's fresh start)
-    init_optimizer: Callable  # params -> optimizer state
+    init_state: Callable | None  # rng -> state at rest (pretraining's fresh start)
+    init_optimizer: Callable  # params -> optimizer state at rest
     train: Callable  # (state, batch, rng) -> (state, metrics); the state is donated
     eval: Callable  # (params, batch) -> the job's evaluation outputs, replicated
+    to_running: Callable = _same  # state at rest (initialised, restored) -> the train step's
+    to_rest: Callable = _same  # the train step's state -> as it is saved
+
+
+class StateLayout(NamedTuple):
+    """A state that rests (is initialised, saved, restored) in another layout than the
+    steps take it (lambjax.train.layout)."""
+
+    rest_shardings: Any
+    to_running: Callable
+    to_rest: Callable
 
 
 def compile_steps(
@@ -40,15 +55,22 @@ def compile_steps(
     eval_step: Callable,
     init_optimizer: Callable,
     init_state: Callable | None = None,
+    layout: StateLayout | None = None,
 ) -> CompiledSteps:
-    """A job's pure functions, jitted with the shardings of its state and batches."""
+    """A job's pure functions, jitted with the shardings of its state and batches;
+    `state_shardings` those of the state the steps take."""
     batch = sharding.batch_sharding(mesh)
     replicated = sharding.replicated(mesh)
+    rest = state_shardings if layout is None else layout.rest_shardings
+    conversions = {}
+    if layout is not None:
+        conversions = dict(
+            to_running=jax.jit(layout.to_running, out_shardings=state_shardings),
+            to_rest=jax.jit(layout.to_rest, out_shardings=rest),
+        )
     return CompiledSteps(
-        init_state=(
-            jax.jit(init_state, out_shardings=state_shardings) if init_state is not None else None
-        ),
-        init_optimizer=jax.jit(init_optimizer, out_shardings=state_shardings.opt_state),
+        init_state=(jax.jit(init_state, out_shardings=rest) if init_state is not None else None),
+        init_optimizer=jax.jit(init_optimizer, out_shardings=rest.opt_state),
         train=jax.jit(
             train_step,
             in_shardings=(state_shardings, batch, replicated),
@@ -58,6 +80,7 @@ def compile_steps(
         eval=jax.jit(
             eval_step, in_shardings=(state_shardings.params, batch), out_shardings=replicated
         ),
+        **conversions,
     )
 
 

@@ -25,7 +25,7 @@ from absl import logging
 from lambjax import data as data_lib
 from lambjax import optim, sharding
 from lambjax.models import bert, pipeline
-from lambjax.train import checkpointing, ouroboros, stacking, throughput
+from lambjax.train import checkpointing, layout, ouroboros, stacking, throughput
 from lambjax.train import optimizer as optimizer_lib
 from lambjax.train import state as state_lib
 from lambjax.train import step as step_lib
@@ -96,11 +96,18 @@ class Phase:
         return state_lib.init_optimizer_state(self.optimizer, params, self.num_frozen_layers)
 
     @functools.cached_property
+    def per_layer(self) -> bool:
+        """Whether the steps hold the encoder layers one tree per layer (lambjax.train.layout);
+        the state rests stacked either way."""
+        return layout.per_layer(self.model_config, self.pipeline_split is not None)
+
+    @functools.cached_property
     def _abstract(self) -> TrainState:
         return jax.eval_shape(self.init_state, jax.random.key(0))
 
     @functools.cached_property
-    def state_shardings(self) -> TrainState:
+    def rest_shardings(self) -> TrainState:
+        """The shardings of the state at rest (layers stacked): what is restored and saved."""
         shardings = state_lib.shardings(
             self._abstract,
             param_axes=bert.param_logical_axes(self.model_config),
@@ -115,9 +122,33 @@ class Phase:
         )
         return shardings.replace(pipeline=pipeline)
 
+    @functools.cached_property
+    def state_shardings(self) -> TrainState:
+        """The shardings of the state the steps take (`to_running`'s layout)."""
+        if not self.per_layer:
+            return self.rest_shardings
+        return state_lib.shardings(
+            layout.abstract_running(self._abstract, self.num_frozen_layers),
+            param_axes=layout.running_param_axes(
+                bert.param_logical_axes(self.model_config), self.model_config.num_layers
+            ),
+            mesh=self.mesh,
+            optimizer=self.optimizer,
+            num_frozen_layers=self.num_frozen_layers,
+        )
+
     def abstract_state(self) -> TrainState:
-        """The state's shapes and dtypes, each leaf carrying its sharding (a restore target)."""
-        return state_lib.with_shardings(self._abstract, self.state_shardings)
+        """The state's shapes and dtypes at rest, each leaf carrying its sharding (a restore
+        target)."""
+        return state_lib.with_shardings(self._abstract, self.rest_shardings)
+
+    def to_running(self, state: TrainState) -> TrainState:
+        """A state at rest as the steps take it: the one conversion in, beside `to_rest`."""
+        return layout.to_running(state, self.num_frozen_layers) if self.per_layer else state
+
+    def to_rest(self, state: TrainState) -> TrainState:
+        """The steps' state as it is saved."""
+        return layout.to_rest(state) if self.per_layer else state
 
     def train_step(self) -> Callable:
         """The pure train step as a function of (state, batch, rng), its settings bound."""
@@ -233,10 +264,10 @@ def initial_state(
     init_state: Callable,
     init_optimizer: Callable,
 ):
-    """(state, data iterator state or None, step) by the restore order above.
+    """(state at rest, data iterator state or None, step) by the restore order above.
 
     `init_state(rng)` and `init_optimizer(params)` are the phase's initialisers as the
-    trainer compiled them (sharded outputs).
+    trainer compiled them (sharded outputs, at rest).
     """
     restored = ckpt.restore_latest(phase.abstract_state())
     if restored is not None:
@@ -284,13 +315,13 @@ def from_previous_phase(run: RunPlan, workdir: str, phase: Phase, init_optimizer
     )
     if depth < new_depth:
         _, params = stacking.grow_layers(previous.model_config, params, new_depth)
-        params = jax.device_put(params, phase.state_shardings.params)
+        params = jax.device_put(params, phase.rest_shardings.params)
     if keep:
         opt_state = optim.restart_step_count(restored.state.opt_state)
     else:
         opt_state = init_optimizer(params)
     state = phase.new_state(params, opt_state=opt_state)
-    return jax.device_put(state, phase.state_shardings)
+    return jax.device_put(state, phase.rest_shardings)
 
 
 def train_step_flops(plan: PhasePlan) -> int:

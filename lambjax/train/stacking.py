@@ -17,7 +17,10 @@ layers above them: training them would need the backward pass through every froz
 The MLM decoder is tied to the word embeddings, so it is frozen too; the heads' transform,
 LayerNorm and bias, the pooler and the NSP classifier train in every stage.
 
-With n = 0 the trainable view is the whole tree and nothing is split.
+With n = 0 the trainable view is the whole tree and nothing is split. With the layers held
+one tree per layer (an unrolled run's train state, lambjax.train.layout) the view holds the
+trees `layers_n ...` and the frozen part `layers_0 ... layers_{n-1}`: nothing is cut or
+concatenated.
 
 References:
   Yang et al., "Progressively Stacking 2.0: A Multi-stage Layerwise Training Method for BERT
@@ -31,6 +34,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from lambjax.models import layer_layout
 from lambjax.models.bert import BertConfig
 
 
@@ -47,26 +51,38 @@ def split(
 ) -> tuple[dict, dict | None]:
     """(trainable view, frozen part) of a params-shaped tree; (tree, None) when n = 0.
 
-    `take(leaf, slice)` cuts a stacked-layers leaf; pass another for trees whose leaves are
-    not arrays (e.g. shardings: `lambda s, _: s`).
+    The tree's layers are stacked or held one tree per layer (lambjax.models.layer_layout);
+    the view keeps its layout. `take(leaf, slice)` cuts a stacked-layers leaf; pass another
+    for trees whose leaves are not arrays (e.g. shardings: `lambda s, _: s`).
     """
     n = num_frozen_layers
     if n == 0:
         return tree, None
     encoder = tree["encoder"]
-    trainable_encoder = {k: v for k, v in encoder.items() if k != "layers"}
-    trainable_encoder["layers"] = jax.tree.map(lambda x: take(x, slice(n, None)), encoder["layers"])
+    if layer_layout.is_per_layer(tree):
+        frozen_keys = {layer_layout.layer_name(i) for i in range(n)}
+        trainable_encoder = {k: v for k, v in encoder.items() if k not in frozen_keys}
+        frozen_encoder = {k: encoder[k] for k in frozen_keys}
+    else:
+        trainable_encoder = {k: v for k, v in encoder.items() if k != "layers"}
+        trainable_encoder["layers"] = jax.tree.map(
+            lambda x: take(x, slice(n, None)), encoder["layers"]
+        )
+        frozen_encoder = {"layers": jax.tree.map(lambda x: take(x, slice(0, n)), encoder["layers"])}
     trainable = {"encoder": trainable_encoder, "heads": tree["heads"]}
-    frozen_layers = jax.tree.map(lambda x: take(x, slice(0, n)), encoder["layers"])
-    return trainable, {"embeddings": tree["embeddings"], "layers": frozen_layers}
+    return trainable, {"embeddings": tree["embeddings"], "encoder": frozen_encoder}
 
 
 def merge(trainable: dict, frozen: dict | None, concatenate=_concatenate_layers) -> dict:
     """The full parameter tree again (the inverse of `split`)."""
     if frozen is None:
         return trainable
-    layers = jax.tree.map(concatenate, frozen["layers"], trainable["encoder"]["layers"])
-    encoder = {**trainable["encoder"], "layers": layers}
+    frozen_encoder = frozen["encoder"]
+    if "layers" in frozen_encoder:
+        layers = jax.tree.map(concatenate, frozen_encoder["layers"], trainable["encoder"]["layers"])
+        encoder = {**trainable["encoder"], "layers": layers}
+    else:  # per layer: the trees side by side, nothing concatenated
+        encoder = {**frozen_encoder, **trainable["encoder"]}
     return {"embeddings": frozen["embeddings"], "encoder": encoder, "heads": trainable["heads"]}
 
 

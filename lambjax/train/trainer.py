@@ -49,6 +49,11 @@ def compile_steps(phase: Phase) -> loop.CompiledSteps:
         eval_step=phase.eval_step(),
         init_optimizer=phase.init_optimizer,
         init_state=phase.init_state,
+        layout=(
+            loop.StateLayout(phase.rest_shardings, phase.to_running, phase.to_rest)
+            if phase.per_layer
+            else None
+        ),
     )
 
 
@@ -103,6 +108,7 @@ def run_phase(run: RunPlan, workdir: str, phase: Phase, writer, stop) -> PhaseRe
         return PhaseResult(phase.name, step, 0.0, final)
     if phase.index == 0 and step == 0:
         metrics_lib.log_parameters(state.params, phase.model_config, workdir, writer)
+    state = steps.to_running(state)  # the layout the steps take (lambjax.train.layout)
     loop = PhaseLoop(run, workdir, phase, writer, ckpt, steps, data_state)
     step, stopped = loop.run(state, step, stop)
     writer.flush()
@@ -208,7 +214,7 @@ class PhaseLoop:
         self.writer.flush()  # the metrics reach every checkpoint (in a bucket too)
         if not self.ckpt.steps():  # the phase's first checkpoint: the config it runs
             workdir_lib.save_config(self.run_plan.config_json, self.workdir)
-        self.ckpt.save(step, state, self.train_iter.get_state(), self.meta)
+        self.ckpt.save(step, self.steps.to_rest(state), self.train_iter.get_state(), self.meta)
         self.save_clock.saved()
 
     def save_due(self, step: int) -> bool:

@@ -28,7 +28,9 @@ def runlocal(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     config.model.preset = "tiny"
     # float32: runs on 1, 2 or 4 devices (and processes) then agree to 1e-5, which the tests
     # check; bfloat16 products round differently with each sharding.
-    config.model.overrides = ml_collections.ConfigDict({"dtype": "float32", "attention": "auto"})
+    config.model.overrides = ml_collections.ConfigDict(
+        {"dtype": "float32", "attention": "auto", "gelu_approximate": False}
+    )
     config.data.source = "embedded"
     config.data.vocab = "train"
     config.data.vocab_size = 2048

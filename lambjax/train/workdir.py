@@ -34,6 +34,9 @@ RESUMABLE = (
     "phases.*.mesh.*",
     "phases.*.grad_accum_steps",
     "phases.*.micro_batch_per_device",
+    # The layers scanned or unrolled: checkpoints hold them stacked either way
+    # (lambjax.train.layout).
+    "model.overrides.scan_layers",
     # Logging, evaluation, checkpoints, profiling.
     "log_every_steps",
     "eval_every_steps",

@@ -1,5 +1,6 @@
 """lambjax BERT against PyTorch transformers' BertForPreTraining (fp32)."""
 
+import dataclasses
 import os
 
 import jax.numpy as jnp
@@ -129,3 +130,23 @@ def test_preln_does_not_export(tmp_path):
 
     with pytest.raises(ValueError, match="PostLN"):
         hf.to_transformers(config, bert.init_params(config, jax.random.key(0)), str(tmp_path))
+
+
+def test_tanh_gelu_exports_as_transformers_tanh_gelu(hf_dir, tmp_path):
+    """gelu_approximate=True is transformers' `gelu_pytorch_tanh`: the exported model gives
+    lambjax's outputs, and differs from the erf model's."""
+    config, params = hf.from_transformers(hf_dir)
+    tanh_config = dataclasses.replace(config, gelu_approximate=True)
+    vocab = tmp_path / "vocab.txt"
+    vocab.write_text("[PAD]\n[UNK]\n")
+    out = str(tmp_path / "exported")
+    hf.to_transformers(tanh_config, params, out, vocab_file=str(vocab))
+    assert transformers.BertConfig.from_pretrained(out).hidden_act == "gelu_pytorch_tanh"
+    assert hf.from_transformers(out)[0].gelu_approximate
+    batch = inputs(seed=2)
+    ours_tanh = ours(tanh_config, params, batch)
+    for a, b in zip(hf_outputs(out, batch)[1:], ours_tanh[1:], strict=True):
+        assert_close(a, b)
+    assert not np.allclose(ours_tanh[1], ours(config, params, batch)[1], rtol=0, atol=1e-6)
+    with pytest.raises(ValueError, match="hidden_act='relu'"):
+        hf.config_from_hf({**HF_CONFIG, "hidden_act": "relu"})

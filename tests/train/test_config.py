@@ -5,6 +5,7 @@ import os
 import jax
 import pytest
 
+from lambjax.models import bert
 from lambjax.train import config as config_lib
 from lambjax.train import plan as plan_lib
 from lambjax.train import prng
@@ -359,3 +360,12 @@ def test_fast_variant_turns_attention_dropout_off_and_explicit_kernels_need_it_o
     config.model.overrides.attention = "cudnn"
     with pytest.raises(config_lib.ConfigError, match="attention='cudnn' has no dropout"):
         validate(config, 8)
+
+
+def test_the_gelu_form_reaches_every_phase_model():
+    config = default()
+    assert not validate(config, num_devices=8).phases[0].model.gelu_approximate  # erf, as BERT
+    config.model.overrides.gelu_approximate = True
+    assert all(p.model.gelu_approximate for p in validate(config, num_devices=8).phases)
+    with pytest.raises(ValueError, match=r"gelu_approximate='tanh'; valid: True \(tanh\)"):
+        bert.BertConfig(gelu_approximate="tanh")
