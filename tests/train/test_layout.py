@@ -6,7 +6,6 @@ per-layer trees assembles no stacked gradient."""
 import functools
 import os
 import re
-import shutil
 import subprocess
 
 import jax
@@ -248,13 +247,13 @@ def test_the_unrolled_step_assembles_no_stacked_gradient(cudnn_version_check_pas
 
 
 # ----------------------------------------------------------------------------------------
-# The trainer: an unrolled run saves stacked, resumes bitwise, and continues scanned
+# The trainer: an unrolled run saves stacked and continues scanned
 
 
-def test_an_unrolled_run_resumes_bitwise_and_continues_scanned(data_dir, tmp_path):
+def test_an_unrolled_run_saves_stacked_and_continues_scanned(data_dir, tmp_path):
     """The demo (layers unrolled), float32, phase 1 only: killed after its step-4 checkpoint
-    and rerun, it logs bitwise the losses of the uninterrupted run; the same checkpoint
-    continued with the layers scanned logs them to float32 rounding."""
+    (saved stacked) and continued with the layers scanned, it logs the uninterrupted run's
+    losses to float32 rounding."""
     flags = ("--config.model.overrides.dtype=float32", "--config.phase_order=('phase1',)")
     config = "configs/default.py"
     reference = str(tmp_path / "reference")
@@ -278,11 +277,9 @@ def test_an_unrolled_run_resumes_bitwise_and_continues_scanned(data_dir, tmp_pat
     process.wait()
     last = os.path.join(killed, "checkpoints", "phase1", str(helpers.PHASE1_STEPS))
     assert not os.path.exists(last)
-    scanned = str(tmp_path / "scanned")
-    shutil.copytree(killed, scanned)
-    helpers.run(helpers.demo_command(killed, data_dir, *flags, config=config), 4)
-    assert helpers.losses(killed) == helpers.losses(reference)
-
+    # Rerun unrolled, it resumes bitwise: tests/train/test_runs.py's kill-and-rerun test (the
+    # demo runs unrolled). Here the same checkpoint continues with the layers scanned.
+    scanned = killed
     helpers.run(
         helpers.demo_command(
             scanned, data_dir, *flags, "--config.model.overrides.scan_layers=True", config=config

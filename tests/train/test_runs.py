@@ -108,12 +108,11 @@ def prng_reference(reference, tmp_path_factory, data_dir):
     return reference_for
 
 
-@pytest.mark.parametrize(
-    "impl, devices", [("threefry", 1), ("threefry", 2)] + [(i, 2) for i in OTHER_PRNGS]
-)
+@pytest.mark.parametrize("impl, devices", [("threefry", 1), ("threefry", 2), ("rbg", 2)])
 def test_same_losses_on_fewer_devices(prng_reference, data_dir, tmp_path, impl, devices):
     """The topology guarantee holds for every PRNG: on XLA:CPU, rbg's and unsafe_rbg's
-    RngBitGenerator is partitioned by computing the whole draw and slicing it."""
+    RngBitGenerator is partitioned by computing the whole draw and slicing it. (unsafe_rbg:
+    2 processes x 2 devices against 1 x 4 in tests/launch/test_local_pod.py.)"""
     run(str(tmp_path), data_dir, devices, PHASE1_ONLY, *prng_flags(impl))
     expected = losses(prng_reference(impl))
     got = losses(str(tmp_path))
@@ -131,7 +130,8 @@ def test_each_prng_draws_its_own_dropout(reference, prng_reference, impl):
         assert loss == pytest.approx(expected[step], rel=0.05), step
 
 
-@pytest.mark.parametrize("impl", ["threefry", *OTHER_PRNGS])
+# rbg splits its keys as threefry does and draws bits as unsafe_rbg does: the two tested here.
+@pytest.mark.parametrize("impl", ["threefry", "unsafe_rbg"])
 def test_kill_and_rerun_gives_bitwise_the_same_losses(prng_reference, data_dir, tmp_path, impl):
     workdir = str(tmp_path)
     process = start(workdir, data_dir, 4, *prng_flags(impl))
