@@ -130,8 +130,7 @@ def test_each_prng_draws_its_own_dropout(reference, prng_reference, impl):
         assert loss == pytest.approx(expected[step], rel=0.05), step
 
 
-# rbg splits its keys as threefry does and draws bits as unsafe_rbg does: the two tested here.
-@pytest.mark.parametrize("impl", ["threefry", "unsafe_rbg"])
+@pytest.mark.parametrize("impl", ["threefry", *OTHER_PRNGS])
 def test_kill_and_rerun_gives_bitwise_the_same_losses(prng_reference, data_dir, tmp_path, impl):
     workdir = str(tmp_path)
     process = start(workdir, data_dir, 4, *prng_flags(impl))
