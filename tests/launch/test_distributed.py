@@ -100,13 +100,17 @@ def test_a_dead_process_stops_the_others(tmp_path):
 
 
 DECIDE = """
+import os
+
 from lambjax import distributed
 distributed.initialize(heartbeat_timeout_seconds=10)
 import jax
 index = jax.process_index()
 # Each process's own clock would say something else; process 0's answer holds everywhere.
-print(f"process {index}:", distributed.process_zero_decides(index == 0),
-      distributed.process_zero_decides(index == 1), flush=True)
+first = distributed.process_zero_decides(index == 0)
+second = distributed.process_zero_decides(index == 1)
+# One write of the whole line: print writes its pieces apart, and the two tasks share stdout.
+os.write(1, f"process {index}: {first} {second}\\n".encode())
 """
 
 
