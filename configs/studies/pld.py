@@ -100,10 +100,7 @@ WARMUP_FRACTION = 0.02
 
 
 def parse(arg) -> tuple[str, dict]:
-    size = arg or "cpu"
-    if size not in SIZES:
-        raise ValueError(f"size {size!r}; valid: {', '.join(SIZES)}")
-    return size, SIZES[size]
+    return spec.study_size(arg, SIZES)
 
 
 def get_config(arg=None):

@@ -40,6 +40,14 @@ class Trial:
         return [f"--config.{key}={format_value(value)}" for key, value in self.overrides.items()]
 
 
+def study_size(arg, sizes: dict, default: str = "cpu") -> tuple[str, dict]:
+    """(name, settings) of the size a study's config `arg` names (None: `default`)."""
+    size = arg or default
+    if size not in sizes:
+        raise ValueError(f"size {size!r}; valid: {', '.join(sizes)}")
+    return size, sizes[size]
+
+
 def product(*axes: dict) -> list[dict]:
     """The grid: one trial for every combination of the axes' values.
 
