@@ -28,6 +28,13 @@ def data_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def study_data_dir(tmp_path_factory):
+    """One data_dir for every study's smallest form: the CPU studies share one dataset
+    (lambjax.sweep.spec.cpu_study_config), so the whole suite builds it once."""
+    return str(tmp_path_factory.mktemp("study-datasets"))
+
+
+@pytest.fixture(scope="session")
 def gcs_bucket(tmp_path_factory):
     """gs://lambjax-test on a local GCS emulator (tests/gcs_emulator.py), with this process
     and the commands it starts pointed at it."""

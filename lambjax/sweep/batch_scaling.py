@@ -24,40 +24,22 @@ learning_rates.png (the multiplier-scaled learning rate each arm used).
 
 import math
 
-from etils import epath
+from lambjax.sweep import curves, plots
+from lambjax.sweep.curves import steps_to_target
+from lambjax.train.metrics import format_duration
 
-from lambjax.sweep import plots
-from lambjax.train.metrics import format_duration, read_jsonl
-
-LOSS = "eval/mlm_loss"
 ARMS = ("sqrt rule", "tuned")
 STYLES = {"lamb": ("tab:blue", "o"), "lans": ("tab:green", "s"), "adamw": ("tab:red", "^")}
-
-
-def eval_curve(workdir: str) -> list[tuple[int, float]]:
-    """(step, eval MLM loss) of one trial, in step order."""
-    path = epath.Path(workdir) / "metrics.jsonl"
-    if not path.exists():
-        return []
-    return [(step, r[LOSS]) for step, r in sorted(read_jsonl(str(path)).items()) if LOSS in r]
-
-
-def steps_to_target(curve: list[tuple[int, float]], target: float) -> int | None:
-    """The first evaluated step at or below `target`; None if none is."""
-    return next((step for step, loss in curve if loss <= target), None)
 
 
 def points(directory: str, trials: dict, target: float) -> list[dict]:
     """One record per labelled trial: its labels, learning rate, steps to target, losses."""
     result = []
-    for name, trial in trials.items():
-        labels = trial.get("labels")
-        if not labels:
-            continue
-        curve = eval_curve(f"{directory}/{name}")
+    for name, trial, run in curves.labelled(directory, trials):
+        curve = run["curve"]
         result.append(
             {
-                **labels,
+                **trial["labels"],
                 "name": name,
                 "learning_rate": trial["overrides"].get("phases.phase1.learning_rate"),
                 "num_steps": trial["overrides"].get("phases.phase1.num_steps"),

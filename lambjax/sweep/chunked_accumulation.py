@@ -25,8 +25,7 @@ import math
 from etils import epath
 
 from lambjax import variance_retention
-from lambjax.sweep import plots
-from lambjax.sweep.batch_scaling import eval_curve
+from lambjax.sweep import curves, plots
 from lambjax.train.metrics import format_duration
 
 VRR_FILE = "variance_retention.json"
@@ -42,18 +41,15 @@ STYLES = {
 def finals(directory: str, trials: dict) -> list[dict]:
     """One record per labelled trial: its labels, setting, eval curve and final loss."""
     result = []
-    for name, trial in trials.items():
-        labels = trial.get("labels")
-        if not labels:
-            continue
-        curve = eval_curve(f"{directory}/{name}")
+    for name, trial, run in curves.labelled(directory, trials):
+        finished = run["curve"] and trial.get("status") == "finished"
         result.append(
             {
-                **labels,
+                **trial["labels"],
                 "name": name,
                 "setting": trial["overrides"].get("model.overrides.matmul_accumulation"),
-                "curve": curve,
-                "final": curve[-1][1] if curve and trial.get("status") == "finished" else None,
+                "curve": run["curve"],
+                "final": run["final"] if finished else None,
                 "status": trial.get("status", ""),
                 "wall_time_s": trial.get("wall_time_s"),
             }

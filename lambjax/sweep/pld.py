@@ -12,11 +12,8 @@ reads them by a rule fixed before the runs:
             held-out loss);
   PreLN     PreLN alone at each PLD arm's learning rate, and at its own best.
 
-Steps to the target are the first evaluation at or below it (exact to the evaluation
-interval). Training time to the target adds up the trial's logged step times
-(`train/step_time_s`, each the mean of its log window) to that step: compiling and
-evaluating are not counted, and the first window, which holds the compilation and has no
-step time, is counted at the next window's. The step time of a trial is the median of its
+Steps and training time to the target are read as lambjax.sweep.curves reads them
+(compiling and evaluating not counted); the step time of a trial is the median of its
 logged step times.
 
 Written into DIR: the study's section of report.md, pld_loss_vs_steps.png and
@@ -28,82 +25,25 @@ rate, one line per arm).
 import math
 import statistics
 
-from etils import epath
+from lambjax.sweep import curves, plots
+from lambjax.sweep.curves import steps_to_target, time_at
+from lambjax.train.metrics import format_duration
 
-from lambjax.sweep import plots
-from lambjax.train.metrics import format_duration, read_jsonl
-
-LOSS, STEP_TIME = "eval/mlm_loss", "train/step_time_s"
 LAYERS_RUN = "train/pld_layers_run"
 COLORS = {"postln": "tab:red", "preln": "tab:blue", "pld": "tab:green"}
-
-
-def read_trial(workdir: str) -> dict:
-    """A trial's held-out loss curve, logged step times and PLD layers run, in step order."""
-    path = epath.Path(workdir) / "metrics.jsonl"
-    records = sorted(read_jsonl(str(path)).items()) if path.exists() else []
-    return {
-        "curve": [(step, r[LOSS]) for step, r in records if LOSS in r],
-        "step_times": [(step, r[STEP_TIME]) for step, r in records if STEP_TIME in r],
-        "log_steps": [step for step, r in records if any(k.startswith("train/") for k in r)],
-        "layers_run": [r[LAYERS_RUN] for _, r in records if LAYERS_RUN in r],
-    }
-
-
-def cumulative_times(log_steps: list[int], step_times: list[tuple[int, float]]) -> dict:
-    """Log step -> training seconds up to it: each window's steps times its step time; a
-    window without one (the first: compilation) at the next measured window's."""
-    measured = dict(step_times)
-    result, previous, total = {}, 0, 0.0
-    for index, step in enumerate(log_steps):
-        seconds = measured.get(step)
-        if seconds is None:
-            later = [measured[s] for s in log_steps[index + 1 :] if s in measured]
-            seconds = later[0] if later else math.nan
-        total += (step - previous) * seconds
-        result[step], previous = total, step
-    return result
-
-
-def steps_to_target(curve: list[tuple[int, float]], target: float) -> int | None:
-    """The first evaluated step at or below `target`; None if none is."""
-    return next((step for step, loss in curve if loss <= target), None)
-
-
-def time_at(times: dict, step: int) -> float:
-    """Training seconds to `step`: at the last log step at or before it, plus the steps
-    since at the next window's rate (exact when evaluations fall on log steps)."""
-    before = [s for s in times if s <= step]
-    after = [s for s in times if s > step]
-    base_step = max(before, default=0)
-    base = times.get(base_step, 0.0)
-    if step == base_step or not after:
-        return base
-    following = min(after)
-    rate = (times[following] - base) / (following - base_step)
-    return base + (step - base_step) * rate
 
 
 def points(directory: str, trials: dict) -> list[dict]:
     """One record per labelled trial: labels, curve, best and final loss, step times."""
     result = []
-    for name, trial in trials.items():
-        labels = trial.get("labels")
-        if not labels:
-            continue
-        read = read_trial(f"{directory}/{name}")
-        finite = [loss for _, loss in read["curve"] if math.isfinite(loss)]
-        seconds = [s for _, s in read["step_times"]]
+    for name, trial, run in curves.labelled(directory, trials):
+        layers_run = [r[LAYERS_RUN] for _, r in run["records"] if LAYERS_RUN in r]
         result.append(
             {
-                **labels,
+                **trial["labels"],
                 "name": name,
-                "curve": read["curve"],
-                "times": cumulative_times(read["log_steps"], read["step_times"]),
-                "best": min(finite) if finite else math.inf,
-                "final": read["curve"][-1][1] if read["curve"] else math.nan,
-                "step_time": statistics.median(seconds) if seconds else math.nan,
-                "layers_run": statistics.mean(read["layers_run"]) if read["layers_run"] else None,
+                **{key: run[key] for key in ("curve", "times", "best", "final", "step_time")},
+                "layers_run": statistics.mean(layers_run) if layers_run else None,
                 "status": trial.get("status", ""),
             }
         )

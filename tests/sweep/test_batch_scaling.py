@@ -96,8 +96,6 @@ def test_the_arms_follow_the_rule_fixed_before_the_runs():
     assert [chosen[("lamb", "sqrt rule")][b]["lr_x"] for b in (32, 64, 128)] == [0.5] * 3
     check = batch_scaling.base_check(grid, [32, 64, 128], study)
     assert check.endswith("best lr_x 1.0 (NOT the declared base, lr_x 0.5)"), check
-    assert batch_scaling.steps_to_target([(10, 6.0), (20, 5.5), (30, 5.4)], 5.5) == 20
-    assert batch_scaling.steps_to_target([(10, 6.0)], 5.5) is None
 
 
 def test_the_smallest_study_runs_through_the_sweep_and_report(tmp_path, data_dir):

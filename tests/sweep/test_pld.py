@@ -112,18 +112,6 @@ def test_the_report_takes_the_baseline_and_the_arms_by_its_rule():
     assert "| PreLN + PLD, gamma 100/T, best lr | 0.002 | - |  | - |  | 70 ms | 0.70 |" in table
 
 
-def test_training_time_adds_the_logged_windows():
-    # Log every 5 steps; the first window (compilation) has no step time: the next one's.
-    log_steps = [5, 10, 15, 20]
-    step_times = [(10, 0.2), (15, 0.3), (20, 0.1)]
-    times = pld.cumulative_times(log_steps, step_times)
-    assert times == pytest.approx({5: 1.0, 10: 2.0, 15: 3.5, 20: 4.0})
-    assert pld.time_at(times, 15) == pytest.approx(3.5)
-    assert pld.time_at(times, 12) == pytest.approx(2.0 + 2 * 0.3)
-    assert pld.steps_to_target([(10, 6.0), (20, 5.5)], 5.5) == 20
-    assert pld.steps_to_target([(10, 6.0), (20, math.nan)], 5.5) is None
-
-
 def test_the_smallest_study_runs_through_the_sweep_and_report(tmp_path, data_dir):
     workdir = tmp_path / "study"
     command = [
