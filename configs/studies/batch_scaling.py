@@ -134,16 +134,7 @@ def get_config(arg=None):
         micro_batch = 8
         config.checkpoint_every_steps = 500
     else:
-        config = config_lib.base_config()
-        config.model.preset = study["model"]
-        config.model.overrides.scan_layers = False  # as the demo: faster on XLA:CPU
-        config.data.source = "embedded"
-        config.data.vocab = "train"
-        config.data.vocab_size = 2048
-        config.data.validation_fraction = 0.1
-        config.eval_batch_size = 32
-        config.eval_steps = 0  # the whole held-out split, the same for every trial
-        config.checkpoint_every_steps = 1000
+        config = spec.cpu_study_config(study["model"])
         micro_batch = None
     config.optimizer = config_lib.optimizer_config("lamb")
     base_batch = study["batch_sizes"][0]
