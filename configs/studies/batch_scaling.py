@@ -105,9 +105,11 @@ SIZES = {
     ),
 }
 SIZES["large"] = dict(SIZES["base"], model="large", target_loss=2.0, other_targets=(2.2, 1.8))
-# The study's smallest form, for the tests: 4 trials of 1 or 2 steps.
+# The study's smallest form, for the tests: 4 trials of 1 or 2 steps, one encoder layer
+# (each trial compiles its own step: the fewer layers, the sooner it runs).
 SIZES["smoke"] = dict(
     SIZES["cpu"],
+    num_layers=1,
     batch_sizes=(8, 16),
     samples=16,
     base_learning_rates=dict(lamb=1e-2, adamw=1e-3),
@@ -134,16 +136,9 @@ def get_config(arg=None):
         micro_batch = 8
         config.checkpoint_every_steps = 500
     else:
-        config = config_lib.base_config()
-        config.model.preset = study["model"]
-        config.model.overrides.scan_layers = False  # as the demo: faster on XLA:CPU
-        config.data.source = "embedded"
-        config.data.vocab = "train"
-        config.data.vocab_size = 2048
-        config.data.validation_fraction = 0.1
-        config.eval_batch_size = 32
-        config.eval_steps = 0  # the whole held-out split, the same for every trial
-        config.checkpoint_every_steps = 1000
+        config = spec.cpu_study_config(study["model"])
+        if "num_layers" in study:
+            config.model.overrides.num_layers = study["num_layers"]
         micro_batch = None
     config.optimizer = config_lib.optimizer_config("lamb")
     base_batch = study["batch_sizes"][0]

@@ -111,18 +111,9 @@ def get_config(arg=None):
         config = config_lib.pod_config(study["model"])
         config.checkpoint_every_steps = 500
     else:
-        config = config_lib.base_config()
-        config.model.preset = study["model"]
-        config.model.overrides.scan_layers = False  # as the demo: faster on XLA:CPU
+        config = spec.cpu_study_config(study["model"])
         if "num_layers" in study:
             config.model.overrides.num_layers = study["num_layers"]
-        config.data.source = "embedded"
-        config.data.vocab = "train"
-        config.data.vocab_size = 2048
-        config.data.validation_fraction = 0.1
-        config.eval_batch_size = 32
-        config.eval_steps = 0  # the whole held-out split, the same for every trial
-        config.checkpoint_every_steps = 1000
     # float32 compute: the emulation rounds float32 operands to 8 bits itself.
     config.model.overrides.dtype = "float32"
     config.model.overrides.matmul_accumulation = "float32"

@@ -98,14 +98,14 @@ def test_the_arms_follow_the_rule_fixed_before_the_runs():
     assert check.endswith("best lr_x 1.0 (NOT the declared base, lr_x 0.5)"), check
 
 
-def test_the_smallest_study_runs_through_the_sweep_and_report(tmp_path, data_dir):
+def test_the_smallest_study_runs_through_the_sweep_and_report(tmp_path, study_data_dir):
     workdir = tmp_path / "study"
     command = [
         "-m",
         "lambjax.sweep",
         f"--config={CONFIG}:smoke",
         f"--workdir={workdir}",
-        f"--config.data.data_dir={data_dir}",
+        f"--config.data.data_dir={study_data_dir}",
         "--parallel=2",
     ]
     run([sys.executable, *command], 1)

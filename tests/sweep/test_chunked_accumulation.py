@@ -103,14 +103,14 @@ def test_the_verdict_follows_the_rule_fixed_before_the_runs(naive, chunked, expe
     assert chunked_accumulation.needed_mantissa(rows, "naive_measured") == 8
 
 
-def test_the_smallest_study_runs_through_the_sweep_and_report(tmp_path, data_dir):
+def test_the_smallest_study_runs_through_the_sweep_and_report(tmp_path, study_data_dir):
     workdir = tmp_path / "study"
     command = [
         "-m",
         "lambjax.sweep",
         f"--config={CONFIG}:smoke",
         f"--workdir={workdir}",
-        f"--config.data.data_dir={data_dir}",
+        f"--config.data.data_dir={study_data_dir}",
         "--parallel=2",
     ]
     run([sys.executable, *command], 1, timeout=1500)  # the emulation compiles slowly

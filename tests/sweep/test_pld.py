@@ -112,14 +112,14 @@ def test_the_report_takes_the_baseline_and_the_arms_by_its_rule():
     assert "| PreLN + PLD, gamma 100/T, best lr | 0.002 | - |  | - |  | 70 ms | 0.70 |" in table
 
 
-def test_the_smallest_study_runs_through_the_sweep_and_report(tmp_path, data_dir):
+def test_the_smallest_study_runs_through_the_sweep_and_report(tmp_path, study_data_dir):
     workdir = tmp_path / "study"
     command = [
         "-m",
         "lambjax.sweep",
         f"--config={CONFIG}:smoke",
         f"--workdir={workdir}",
-        f"--config.data.data_dir={data_dir}",
+        f"--config.data.data_dir={study_data_dir}",
         "--parallel=2",
     ]
     run([sys.executable, *command], 1, timeout=1200)  # 4 trials, two of them compile PLD

@@ -4,6 +4,7 @@ The end-to-end tests run `python -m lambjax.sweep` as users do, over tests/sweep
 three_trials.py (the demo's runlocal config, 3 trials), shortened to a few steps.
 """
 
+import glob
 import json
 import os
 import shlex
@@ -14,6 +15,7 @@ import time
 
 import pytest
 
+from lambjax import cli
 from lambjax.sweep import report, spec
 from lambjax.train.config import base_config
 from lambjax.train.metrics import read_jsonl
@@ -78,6 +80,26 @@ def test_trials_are_named_by_their_overrides_and_checked():
             spec.trials(config, sweep)
         assert str(error.value).startswith(message), str(error.value)
     assert spec.trials(config, [{"optimizer.b2": 1}])  # an int where a float goes
+
+
+def test_the_studies_smallest_forms_share_one_dataset():
+    """Every study's `smoke` size (configs/studies/) reads the dataset the others read: the
+    same data settings at the same sequence length, so the suite builds it once
+    (tests/conftest.py's study_data_dir); the same predictions per sequence too."""
+    forms = {}
+    for path in sorted(glob.glob(os.path.join(REPO, "configs", "studies", "*.py"))):
+        config = cli.load_module(path)[0].get_config("smoke")
+        for name in config.phase_order:
+            phase = config.phases[name]
+            forms[f"{os.path.basename(path)}:{name}"] = (
+                config.data.to_dict(),
+                phase.max_seq_length,
+                phase.max_predictions_per_seq,
+            )
+    assert len(forms) >= 3, sorted(forms)
+    first = next(iter(forms.values()))
+    assert first[0] == spec.cpu_study_config().data.to_dict()
+    assert {name: form == first for name, form in forms.items()} == dict.fromkeys(forms, True)
 
 
 @pytest.mark.parametrize(

@@ -167,6 +167,7 @@ def new_node(state: dict, name: str, accelerator: str, runtime: str, spot: bool,
         "workers": int(os.environ.get("FAKE_TPU_WORKERS", "2")),
         "incarnation": incarnation,
     }
+    install_worker_tools()
     for worker in range(node["workers"]):
         os.makedirs(os.path.join(worker_home(name, node, worker), "tmp"))
     state["nodes"][name] = node
@@ -210,17 +211,29 @@ def describe(resource: dict, fmt: str, name: str) -> str:
     return json.dumps(resource)
 
 
+def worker_bin() -> str:
+    """The directory of the image's tools on every worker's PATH (python3, curl)."""
+    return os.path.join(common.state_dir(), "worker-bin")
+
+
+def install_worker_tools() -> None:
+    """Puts the image's tools in place, once, before the first node exists. It runs under
+    the cluster's lock (nodes are created under it), never beside an `ssh` (which runs
+    without the lock): two ssh sessions that each made the directory raced, one failing on
+    the other's directory or running a worker before its tools were written."""
+    bin_dir = worker_bin()
+    if os.path.isdir(bin_dir):
+        return
+    os.makedirs(bin_dir)
+    for tool in ("python3", "curl"):
+        path = os.path.join(bin_dir, tool)
+        with open(path, "w") as f:
+            f.write(f'#!/bin/sh\nexec "{sys.executable}" "{FAKES}/worker_tools.py" {tool} "$@"\n')
+        os.chmod(path, 0o755)
+
+
 def worker_environment(name: str, node: dict, worker: int) -> dict:
-    bin_dir = os.path.join(common.state_dir(), "worker-bin")
-    if not os.path.isdir(bin_dir):
-        os.makedirs(bin_dir)
-        for tool in ("python3", "curl"):
-            path = os.path.join(bin_dir, tool)
-            with open(path, "w") as f:
-                f.write(
-                    f'#!/bin/sh\nexec "{sys.executable}" "{FAKES}/worker_tools.py" {tool} "$@"\n'
-                )
-            os.chmod(path, 0o755)
+    bin_dir = worker_bin()
     home = worker_home(name, node, worker)
     env = {
         k: v for k, v in os.environ.items() if k.startswith(("FAKE_", "LANG", "LC_")) or k == "TERM"
