@@ -247,32 +247,50 @@ class Mlp(nn.Module):
     config: BertConfig
 
     @nn.compact
-    def __call__(self, x, deterministic: bool):
+    def __call__(self, x, deterministic: bool, token_mask=None):
+        """Given a token mask, sows the standardization loss of the pre-activations (the
+        intermediate output before GELU)."""
         c = self.config
         dot_general = matmul.encoder_dot_general(c.matmul_accumulation)
         x = dense(
             c, c.intermediate_size, ("embed", "mlp"), "intermediate", dot_general=dot_general
         )(x)
+        if token_mask is not None:
+            self.sow(
+                "losses", "standardization", standardization.standardization_loss(x, token_mask)
+            )
         x = nn.gelu(x, approximate=c.gelu_approximate)
         x = dense(c, c.hidden_size, ("mlp", "embed"), "output", dot_general=dot_general)(x)
         return nn.Dropout(c.hidden_dropout)(x, deterministic=deterministic)
 
 
 class Layer(nn.Module):
-    """One transformer block. `scale` multiplies each sub-layer's output (PLD's 1/p)."""
+    """One transformer block. `scale` multiplies each sub-layer's output (PLD's 1/p). Given
+    a token mask, the standardization loss attaches at `standardization_site`: the norms'
+    inputs ("residual") or the MLP's pre-activations ("preactivation")."""
 
     config: BertConfig
 
     @nn.compact
-    def __call__(self, h, attention_bias, scale, deterministic: bool, token_mask=None):
+    def __call__(
+        self,
+        h,
+        attention_bias,
+        scale,
+        deterministic: bool,
+        token_mask=None,
+        standardization_site="residual",
+    ):
         c = self.config
+        norm_mask = token_mask if standardization_site == "residual" else None
+        mlp_mask = token_mask if standardization_site == "preactivation" else None
         attention = Attention(c, name="attention")
-        mlp = Mlp(c, name="mlp")
+        mlp = functools.partial(Mlp(c, name="mlp"), token_mask=mlp_mask)
         attention_norm = functools.partial(
-            _normalize, _encoder_norm(c, "attention_layer_norm"), token_mask=token_mask
+            _normalize, _encoder_norm(c, "attention_layer_norm"), token_mask=norm_mask
         )
         mlp_norm = functools.partial(
-            _normalize, _encoder_norm(c, "mlp_layer_norm"), token_mask=token_mask
+            _normalize, _encoder_norm(c, "mlp_layer_norm"), token_mask=norm_mask
         )
         if c.layer_norm == "pre":  # normalise each sub-layer's input, never the residual
             h = h + scale * attention(attention_norm(h), attention_bias, deterministic)
@@ -405,6 +423,7 @@ def run_layers(
     scale=None,
     first_index=0,
     token_mask=None,
+    standardization_site="residual",
 ):
     """Runs a stack of encoder layers on hidden states `h` [B, S, H]: `lax.scan` over the
     stacked tree, or a Python loop with `config.scan_layers=False`; `jax.checkpoint` per
@@ -423,8 +442,10 @@ def run_layers(
         never runs). None: every layer runs.
       scale: optional [count] multipliers of each sub-layer's output (PLD's 1/p).
       first_index: the global index of the first layer (may be traced).
-      token_mask: given (normalization 'none', in training), each AffineNorm sows its input's
-        standardization loss.
+      token_mask: given (normalization 'none', in training), each layer sows the
+        standardization loss of its tensors at `standardization_site`.
+      standardization_site: "residual" (each AffineNorm's input) or "preactivation" (the
+        MLP's intermediate output before GELU); lambjax.models.standardization.
 
     Returns:
       (the hidden states after the last layer, the layers' summed standardization losses;
@@ -454,6 +475,7 @@ def run_layers(
                 scale_layer.astype(h.dtype),
                 deterministic,
                 token_mask,
+                standardization_site,
                 rngs=rngs,
                 mutable=["losses"],
             )
@@ -493,12 +515,14 @@ def encoder_outputs_and_standardization_loss(
     layer_scale=None,
     num_frozen_layers: int = 0,
     standardization_loss: bool = False,
+    standardization_site: str = "residual",
     positions=None,
     example_ids=None,
 ):
     """(Last hidden states [B, S, H] (after PreLN's final LayerNorm), the summed
-    standardization loss of every AffineNorm's input over the unpadded tokens; 0 unless
-    `standardization_loss` and the model has normalization='none').
+    standardization loss over the unpadded tokens of every tensor at `standardization_site`
+    (lambjax.models.standardization.SITES): each AffineNorm's input, or each layer's MLP
+    pre-activations; 0 unless `standardization_loss` and the model has normalization='none').
 
     Packed rows (lambjax.data.packing) give each token's `positions` in its example and its
     `example_ids`; a token then attends only to its own example's tokens."""
@@ -507,12 +531,14 @@ def encoder_outputs_and_standardization_loss(
         embeddings_rng, dropout_rng = jax.random.split(dropout_rng)
     rngs = {} if deterministic else {"dropout": embeddings_rng}
     token_mask = input_mask if standardization_loss and config.normalization == "none" else None
+    # The embeddings' and PreLN's final norm: sites of the residual placement only.
+    norm_mask = token_mask if standardization_site == "residual" else None
     h, variables = Embeddings(config).apply(
         {"params": params["embeddings"]},
         input_ids,
         segment_ids,
         deterministic,
-        token_mask,
+        norm_mask,
         positions,
         rngs=rngs,
         mutable=["losses"],
@@ -539,6 +565,7 @@ def encoder_outputs_and_standardization_loss(
             scale=part(layer_scale, 0, n),
             first_index=0,
             token_mask=token_mask,
+            standardization_site=standardization_site,
         )
         h, total = jax.lax.stop_gradient(h), total + loss
     if n < config.num_layers:
@@ -553,11 +580,12 @@ def encoder_outputs_and_standardization_loss(
             scale=part(layer_scale, n, None),
             first_index=n,
             token_mask=token_mask,
+            standardization_site=standardization_site,
         )
         total = total + loss
     if config.layer_norm == "pre":
         h, variables = FinalNorm(config).apply(
-            {"params": params["encoder"]["final_layer_norm"]}, h, token_mask, mutable=["losses"]
+            {"params": params["encoder"]["final_layer_norm"]}, h, norm_mask, mutable=["losses"]
         )
         total = total + standardization.sown_total(variables)
     return h, total

@@ -80,13 +80,14 @@ def pretraining_stats(
     layer_scale=None,
     num_frozen_layers: int = 0,
     standardization_loss: bool = False,
+    standardization_site: str = "residual",
 ) -> dict[str, Any]:
     """Sums (not means) of the MLM and NSP losses and hits over the batch, float32.
 
     Sums let a caller add micro-batches up exactly and normalise by global counts. With
-    `standardization_loss`, also the encoder's standardization loss of this batch
-    (`standardization_loss`, lambjax.models.standardization; a model with normalization
-    'none' only).
+    `standardization_loss`, also the encoder's standardization loss of this batch at
+    `standardization_site` (`standardization_loss`, lambjax.models.standardization; a model
+    with normalization 'none' only).
     """
     (mlm_logits, nsp_logits), std_loss = _vocab_major_logits_and_standardization_loss(
         config,
@@ -97,6 +98,7 @@ def pretraining_stats(
         layer_scale=layer_scale,
         num_frozen_layers=num_frozen_layers,
         standardization_loss=standardization_loss,
+        standardization_site=standardization_site,
     )
     stats = {} if not standardization_loss else {"standardization_loss": std_loss}
     return stats | stats_from_logits(mlm_logits, nsp_logits, batch)

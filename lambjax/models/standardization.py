@@ -15,9 +15,15 @@ to the primary loss; at inference the term is dropped and nothing is normalized.
 In BERT (the paper has no Transformer experiments; this placement is lambjax's) every
 LayerNorm of the embeddings and the encoder becomes `AffineNorm`: the LayerNorm's per-channel
 scale and bias (the learned shift and scale the paper's BN and PointNet nets kept) with no
-normalization, and L_std attaches to the tensor that LayerNorm normalized (PostLN: each
-residual sum; PreLN: each sub-layer's input and the final LayerNorm's). Statistics are per
-hidden channel over the batch's tokens, padding excluded, in float32; within a jitted,
+normalization. L_std attaches at one of two sites (`SITES`):
+
+  residual       the tensor each removed LayerNorm normalized (PostLN: the embeddings' sum
+                 and each residual sum; PreLN: the embeddings' sum, each sub-layer's input
+                 and the final LayerNorm's);
+  preactivation  each layer's FFN intermediate dense output before GELU, the paper's own
+                 placement (section 3: a layer's activation before the nonlinearity).
+
+Statistics are per channel over the batch's tokens, padding excluded, in float32; within a jitted,
 data-parallel step they are the global batch's (XLA reduces over the sharded batch axis),
 and with gradient accumulation each micro-batch's. log(sigma^2 + 1e-6) keeps a constant
 channel finite. The MLM head's LayerNorm stays: it is part of the pretraining head, not the
@@ -29,6 +35,7 @@ import jax
 import jax.numpy as jnp
 
 LOG_VARIANCE_EPS = 1e-6
+SITES = ("residual", "preactivation")
 
 
 def standardization_loss(x: jax.Array, token_mask: jax.Array) -> jax.Array:
@@ -74,6 +81,14 @@ def sown_total(variables: dict) -> jax.Array:
     """The sum of every loss a module sowed into `losses` (0 where none was)."""
     leaves = jax.tree.leaves(variables.get("losses", {}))
     return sum(leaves, jnp.zeros((), jnp.float32))
+
+
+def check_site(site: str) -> None:
+    """`config.standardization_loss.site`, one of `SITES`."""
+    if site not in SITES:
+        raise ValueError(
+            f"config.standardization_loss.site={site!r}; valid: {', '.join(map(repr, SITES))}"
+        )
 
 
 def check(weight: float, phases) -> None:

@@ -10,7 +10,7 @@ A config is an `ml_collections.ConfigDict`:
   mesh:       the default device mesh of every phase ({data, fsdp, tensor, stage} sizes;
               -1 = rest)
   layer_drop: progressive layer dropping (off by default; lambjax.train.layer_drop)
-  standardization_loss: its weight (0: off; lambjax.models.standardization)
+  standardization_loss: its weight (0: off) and site (lambjax.models.standardization)
   ouroboros:  model parallelism with delayed gradients: its number of modules K (1: off) and
               how a module replays (lambjax.train.ouroboros); needs mesh stage = K - 1
   phases:     name -> phase (sequence length, global batch, accumulation, steps, schedule,
@@ -146,8 +146,10 @@ def base_config() -> ml_collections.ConfigDict:
         {"enabled": False, "theta_bar": 0.5, "gamma": 0.001, "depth_rule": "deepspeed"}
     )
     # The standardization loss (Collins et al. 2019): weight lambda of L_std in the objective,
-    # for a model with model.overrides.normalization="none"; 0 = off.
-    config.standardization_loss = ml_collections.ConfigDict({"weight": 0.0})
+    # for a model with model.overrides.normalization="none"; 0 = off. site: where it
+    # attaches, "residual" (the tensors the removed LayerNorms normalized) or
+    # "preactivation" (each FFN's intermediate output before GELU, as in the paper).
+    config.standardization_loss = ml_collections.ConfigDict({"weight": 0.0, "site": "residual"})
     # Ouroboros (Yang et al. 2019): the encoder cut into num_modules modules on num_modules - 1
     # pipeline stages (mesh axis `stage`), each updated with a delayed gradient; 1 = off.
     # replay: "stale" (the delayed gradient exactly, as DDG defines it; keeps the last

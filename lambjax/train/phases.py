@@ -176,6 +176,7 @@ class Phase:
             layer_drop=plan.layer_drop,
             num_frozen_layers=plan.num_frozen_layers,
             standardization_loss_weight=plan.standardization_loss_weight,
+            standardization_loss_site=plan.standardization_loss_site,
         )
 
     def batches(self, split: str, global_batch_size: int, seed: int, **kwargs):

@@ -113,6 +113,7 @@ class PhasePlan:
     layer_drop: layer_drop.LayerDrop | None
     nsp_loss_weight: float  # 0 without next-sentence prediction
     standardization_loss_weight: float  # 0: off
+    standardization_loss_site: str  # residual | preactivation (lambjax.models.standardization)
     pipeline: PipelinePlan | None
     packing: packing_lib.Packing | None  # training rows of several examples; None: one
     previous: "PhasePlan | None"  # the phase before, whose final state this one starts from
@@ -152,6 +153,7 @@ def resolve(config, *, vocab_size: int, num_devices: int, process_count: int = 1
         lambda: layer_drop.check_settings(config.layer_drop),
         lambda: ouroboros.check_settings(config.ouroboros),
         lambda: prng.check(config.prng_impl),
+        lambda: standardization.check_site(config.standardization_loss.site),
     )
     phases, previous, step_offset = [], None, 0
     for index, name in enumerate(config.phase_order):
@@ -270,6 +272,7 @@ def _phase(
         ),
         nsp_loss_weight=1.0 if config.data.next_sentence_prediction else 0.0,
         standardization_loss_weight=config.standardization_loss.weight,
+        standardization_loss_site=config.standardization_loss.site,
         pipeline=(
             PipelinePlan(**config.ouroboros.to_dict()) if config.ouroboros.num_modules > 1 else None
         ),

@@ -13,7 +13,8 @@ multi-stage layerwise training (`num_frozen_layers`, lambjax.train.stacking) dif
 and updates only the parameters above the frozen bottom layers.
 
 The standardization loss (`standardization_loss_weight` > 0, a model with normalization
-'none'; lambjax.models.standardization) adds lambda x L_std to the objective. L_std is
+'none'; lambjax.models.standardization) adds lambda x L_std, at `standardization_loss_site`,
+to the objective. L_std is
 computed from each micro-batch's statistics and averaged over the micro-batches; it is
 logged as `standardization_loss` (unweighted), and `loss` stays the MLM + NSP loss.
 """
@@ -165,6 +166,7 @@ def train_step(
     layer_drop: LayerDrop | None = None,
     num_frozen_layers: int = 0,
     standardization_loss_weight: float = 0.0,
+    standardization_loss_site: str = "residual",
 ) -> tuple[TrainState, dict]:
     """One optimizer step on one global batch. Returns the new state and scalar metrics."""
     mlm_total = jnp.maximum(jnp.sum(batch["masked_lm_weights"].astype(jnp.float32)), 1e-9)
@@ -189,6 +191,7 @@ def train_step(
             dropout_rng=microbatch_rng,
             num_frozen_layers=num_frozen_layers,
             standardization_loss=standardize,
+            standardization_site=standardization_loss_site,
             **layers,
         )
         if layer_drop is not None:

@@ -147,3 +147,76 @@ def test_export_refuses_a_model_without_layer_norm(tmp_path):
     params = initial_params()
     with pytest.raises(ValueError, match="normalization='none'"):
         hf.to_transformers(CONFIG, params, str(tmp_path / "hf"))
+
+
+def test_at_the_preactivations_it_is_the_loss_of_each_ffn_input_to_gelu():
+    """Two layers, scanned: the sum of L_std of each layer's intermediate dense output (before GELU,
+    captured with Flax's intermediates), nothing from the residual sums; the outputs are
+    those of the residual placement, the loss is not."""
+    config = dataclasses.replace(CONFIG, num_layers=2)
+    params = jax.jit(bert.init_params, static_argnums=0)(config, jax.random.key(0))
+    batch = random_batch(seq=12, batch=4, vocab_size=128)
+    batch["input_mask"] = padded_mask(4, 12, 3)
+    inputs = (batch["input_ids"], batch["segment_ids"], batch["input_mask"])
+
+    def encode(site):
+        return jax.jit(
+            functools.partial(
+                bert.encoder_outputs_and_standardization_loss,
+                config,
+                standardization_loss=True,
+                standardization_site=site,
+            )
+        )(params, *inputs)
+
+    h, loss = encode("preactivation")
+    h_residual, loss_residual = encode("residual")
+    # The pre-activations, layer by layer, from an unrolled run that captures them.
+    x = bert.Embeddings(config).apply(
+        {"params": params["embeddings"]}, batch["input_ids"], batch["segment_ids"], True
+    )
+    bias = bert.attention_bias(batch["input_mask"])
+    preactivations = []
+    for i in range(2):
+        layer = jax.tree.map(lambda p, i=i: p[i], params["encoder"]["layers"])
+        x, captured = bert.Layer(config).apply(
+            {"params": layer},
+            x,
+            bias,
+            1.0,
+            True,
+            capture_intermediates=lambda module, _: module.name == "intermediate",
+            mutable=["intermediates"],
+        )
+        preactivations.append(captured["intermediates"]["mlp"]["intermediate"]["__call__"][0])
+    expected = sum(numpy_standardization_loss(p, batch["input_mask"]) for p in preactivations)
+    np.testing.assert_allclose(loss, expected, rtol=1e-5)
+    np.testing.assert_array_equal(h, h_residual)
+    np.testing.assert_allclose(h, x, rtol=1e-5, atol=1e-6)
+    assert abs(float(loss) - float(loss_residual)) > 1.0  # different tensors
+
+
+def test_weight_zero_is_bitwise_the_model_without_normalization():
+    """At weight 0 the site adds nothing: two steps with the pre-activation site are the
+    plain no-norm model's, bit for bit (the sites' losses differ: the test above)."""
+    optimizer = make_optimizer(optimizer_config("adamw"), optax.constant_schedule(1e-3))
+    batch = random_batch(seq=16, batch=8, vocab_size=128)
+
+    def two_steps(**standardization):
+        step = jax.jit(
+            functools.partial(
+                step_lib.train_step,
+                model_config=CONFIG,
+                optimizer=optimizer,
+                schedule=optax.constant_schedule(1e-3),
+                grad_accum_steps=1,
+                **standardization,
+            )
+        )
+        state = TrainState.create(initial_params(), optimizer)
+        for index in range(2):
+            state, _ = step(state, batch, jax.random.key(index))
+        return state.params
+
+    zero = two_steps(standardization_loss_weight=0.0, standardization_loss_site="preactivation")
+    jax.tree.map(np.testing.assert_array_equal, zero, two_steps())

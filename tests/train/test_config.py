@@ -1,6 +1,7 @@
 import glob
 import importlib.util
 import os
+import re
 
 import jax
 import pytest
@@ -91,6 +92,16 @@ def test_the_standardization_loss_needs_a_model_without_layer_norm():
     assert config.standardization_loss.weight == 1e-4
     config.model.overrides.normalization = "layer_norm"
     with pytest.raises(config_lib.ConfigError, match="standardization_loss.weight=0.0001"):
+        validate(config, num_devices=8)
+
+
+def test_the_standardization_loss_site_is_one_of_two():
+    config = load(os.path.join(CONFIG_DIR, "bert_lamb.py"), "standardization_loss,runlocal")
+    config.standardization_loss.site = "preactivation"
+    validate(config, num_devices=8)
+    config.standardization_loss.site = "attention"
+    message = "config.standardization_loss.site='attention'; valid: 'residual', 'preactivation'"
+    with pytest.raises(config_lib.ConfigError, match=re.escape(message)):
         validate(config, num_devices=8)
 
 
