@@ -176,6 +176,7 @@ class Phase:
             layer_drop=plan.layer_drop,
             num_frozen_layers=plan.num_frozen_layers,
             standardization_loss_weight=plan.standardization_loss_weight,
+            reduce_once_on=self.mesh if plan.gradient_reduction == "once" else None,
         )
 
     def batches(self, split: str, global_batch_size: int, seed: int, **kwargs):
