@@ -3,6 +3,7 @@ micro-batch (XLA's placement) or once per step (config.gradient_reduction='once'
 
   python benchmarks/accumulation.py [--processes 2] [--micro-batch 8] [--accums 1,2,4,8]
       [--rounds 6] [--steps 2] [--seq 64] [--vocab 30522]
+  python benchmarks/accumulation.py --model    (the interconnect model below; no timing)
 
 The pod is launch/local.py's: N processes of one CPU device each, joined by jax.distributed,
 their collectives over gloo (TCP on 127.0.0.1), the mesh `data` = N. Every arm (A micro-batches
@@ -24,6 +25,22 @@ import sys
 import time
 
 import numpy as np
+
+# The interconnect model (--model). Modelled, not measured: ring all-reduce time
+# 2 (n - 1) / n * bytes / bandwidth, no overlap with compute, no latency term.
+# Link rates: the Ethernet / InfiniBand nominal rates (25 and 100 Gb/s), and NVLink 4's
+# 900 GB/s per H100 (NVIDIA H100 data sheet; both directions together, so 450 GB/s each way).
+BANDWIDTHS = {  # name -> bytes/s one way
+    "25 Gb/s Ethernet": 25e9 / 8,
+    "100 Gb/s Ethernet / IB": 100e9 / 8,
+    "NVLink 4 (H100), 450 GB/s each way": 450e9,
+}
+# Compute of one micro-batch on one H100, measured by lambjax (docs/results.md, "Train step
+# on the H100", 2026-11-23: bf16 compute, LAMB, dropout 0.1, 128 tokens per sequence).
+MICRO_BATCH_SECONDS = {
+    "base": (128, 0.0576),  # 128 sequences, 57.6 ms (layers scanned)
+    "large": (64, 0.0844),  # 64 sequences, 84.4 ms (layers unrolled)
+}
 
 REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
 FORMS = ("each_microbatch", "once")
@@ -160,6 +177,38 @@ def report(result: dict) -> None:
         print(f"fit {form}: t_step(A) = A * {t_micro:.4f} s + {t_reduce:.4f} s")
 
 
+def communication_model(nodes=(2, 16), accums=(8, 32)) -> None:
+    """Modelled step time of BERT-base and -large data parallel over `nodes` nodes of one
+    H100 each, the float32 gradient all-reduced A times per step (each) or once."""
+    import jax
+
+    from lambjax.models import bert
+
+    heads = " | ".join(f"A={a}: comm share each / once, step once / each" for a in accums)
+    print(f"| model | float32 gradient | link | nodes | all-reduce (ms) | {heads} |")
+    print("|---|---|---|---|---|" + "---|" * len(accums))
+    for preset, (sequences, seconds) in MICRO_BATCH_SECONDS.items():
+        config = bert.BertConfig.preset(preset, vocab_size=30522)
+        abstract = jax.eval_shape(lambda c=config: bert.init_params(c, jax.random.key(0)))
+        gradient_bytes = 4 * sum(x.size for x in jax.tree.leaves(abstract))
+        for link, bandwidth in BANDWIDTHS.items():
+            for n in nodes:
+                reduce = 2 * (n - 1) / n * gradient_bytes / bandwidth
+                cells = []
+                for accum in accums:
+                    each = accum * (seconds + reduce)
+                    once = accum * seconds + reduce
+                    cells.append(
+                        f"{accum * reduce / each:.0%} / {reduce / once:.0%}, {once / each:.2f}"
+                    )
+                print(
+                    f"| {preset}, {sequences} x 128 in {1e3 * seconds:.1f} ms | "
+                    f"{gradient_bytes / 1e6:.0f} MB | {link} | {n} | {1e3 * reduce:.1f} | "
+                    + " | ".join(cells)
+                    + " |"
+                )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--processes", type=int, default=2)
@@ -171,10 +220,14 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--seq", type=int, default=64)
     parser.add_argument("--vocab", type=int, default=30522)
+    parser.add_argument("--model", action="store_true", help="print the interconnect model")
     parser.add_argument("--coordinator_address")
     parser.add_argument("--num_processes", type=int)
     parser.add_argument("--process_id", type=int)
     args = parser.parse_args()
+    if args.model:
+        communication_model()
+        return
     if args.process_id is not None:
         worker(args)
         return
