@@ -9,6 +9,7 @@ A config is an `ml_collections.ConfigDict`:
   optimizer:  the default optimizer of every phase (name, betas, weight decay, clipping)
   mesh:       the default device mesh of every phase ({data, fsdp, tensor, stage} sizes;
               -1 = rest)
+  gradient_reduction: each_microbatch | once (lambjax.train.reduction)
   layer_drop: progressive layer dropping (off by default; lambjax.train.layer_drop)
   standardization_loss: its weight (0: off) and site (lambjax.models.standardization)
   ouroboros:  model parallelism with delayed gradients: its number of modules K (1: off) and
@@ -139,6 +140,9 @@ def base_config() -> ml_collections.ConfigDict:
     config.data = data_lib.default_config()
     config.optimizer = optimizer_config("lamb")
     config.mesh = ml_collections.ConfigDict({"data": -1, "fsdp": 1, "tensor": 1, "stage": 1})
+    # Where the gradient is summed over the mesh axis `data` (lambjax.train.reduction):
+    # "each_microbatch" (XLA's choice: inside the micro-batch loop) or "once" per step.
+    config.gradient_reduction = "each_microbatch"
     # Progressive layer dropping (needs model layer_norm="pre"): keep probability
     # theta(t) = (1 - theta_bar) exp(-gamma t) + theta_bar, t = optimizer steps of the run;
     # depth_rule "deepspeed" (the authors' code: the first layer is never dropped) or "paper".

@@ -177,6 +177,7 @@ class Phase:
             num_frozen_layers=plan.num_frozen_layers,
             standardization_loss_weight=plan.standardization_loss_weight,
             standardization_loss_site=plan.standardization_loss_site,
+            reduce_once_on=self.mesh if plan.gradient_reduction == "once" else None,
         )
 
     def batches(self, split: str, global_batch_size: int, seed: int, **kwargs):

@@ -12,8 +12,8 @@ built: the run's and the phases' own fields below; progressive layer dropping in
 lambjax.train.layer_drop; multi-stage layerwise training in lambjax.train.stacking; the
 standardization loss in lambjax.models.standardization; Ouroboros in
 lambjax.train.ouroboros; packing in lambjax.data.packing; the PRNG implementation in
-lambjax.train.prng. Each raises `ConfigError` (a ValueError) naming the field, the value and
-what would be valid.
+lambjax.train.prng; the gradient's reduction in lambjax.train.reduction. Each raises
+`ConfigError` (a ValueError) naming the field, the value and what would be valid.
 """
 
 import dataclasses
@@ -25,7 +25,7 @@ import ml_collections
 from lambjax import sharding
 from lambjax.data import packing as packing_lib
 from lambjax.models import attention, bert, standardization
-from lambjax.train import layer_drop, ouroboros, prng, stacking
+from lambjax.train import layer_drop, ouroboros, prng, reduction, stacking
 from lambjax.train.config import (
     OPTIMIZER_STATE_AT_PHASE_START,
     OPTIMIZERS,
@@ -116,6 +116,7 @@ class PhasePlan:
     standardization_loss_site: str  # residual | preactivation (lambjax.models.standardization)
     pipeline: PipelinePlan | None
     packing: packing_lib.Packing | None  # training rows of several examples; None: one
+    gradient_reduction: str  # each_microbatch | once (lambjax.train.reduction)
     previous: "PhasePlan | None"  # the phase before, whose final state this one starts from
 
 
@@ -167,6 +168,7 @@ def resolve(config, *, vocab_size: int, num_devices: int, process_count: int = 1
         lambda: standardization.check(config.standardization_loss.weight, phases),
         lambda: stacking.check(phases),
         lambda: ouroboros.check_plan(config.ouroboros, phases),
+        lambda: reduction.check(config.gradient_reduction, phases),
     )
     return RunPlan(
         phases=tuple(phases),
@@ -277,6 +279,7 @@ def _phase(
             PipelinePlan(**config.ouroboros.to_dict()) if config.ouroboros.num_modules > 1 else None
         ),
         packing=_packing(config.data, phase.max_seq_length),
+        gradient_reduction=config.gradient_reduction,
         previous=previous,
     )
 

@@ -28,7 +28,7 @@ import optax
 from lambjax import optim
 from lambjax.models import pretraining
 from lambjax.models.bert import BertConfig
-from lambjax.train import stacking
+from lambjax.train import reduction, stacking
 from lambjax.train.layer_drop import LayerDrop
 from lambjax.train.state import TrainState
 
@@ -167,8 +167,14 @@ def train_step(
     num_frozen_layers: int = 0,
     standardization_loss_weight: float = 0.0,
     standardization_loss_site: str = "residual",
+    reduce_once_on: jax.sharding.Mesh | None = None,
 ) -> tuple[TrainState, dict]:
-    """One optimizer step on one global batch. Returns the new state and scalar metrics."""
+    """One optimizer step on one global batch. Returns the new state and scalar metrics.
+
+    `reduce_once_on`: None, XLA all-reduces each micro-batch's gradient inside the loop; a
+    mesh, each data shard of it accumulates unreduced and one sum follows the loop
+    (lambjax.train.reduction).
+    """
     mlm_total = jnp.maximum(jnp.sum(batch["masked_lm_weights"].astype(jnp.float32)), 1e-9)
     nsp_total = jnp.maximum(jnp.sum(pretraining.nsp_example_weights(batch)), 1.0)
     step_rng = jax.random.fold_in(rng, state.step)
@@ -188,7 +194,7 @@ def train_step(
             model_config,
             stacking.merge(trainable, frozen),
             microbatch,
-            dropout_rng=microbatch_rng,
+            dropout_rng=reduction.shard_dropout_key(microbatch_rng, reduce_once_on),
             num_frozen_layers=num_frozen_layers,
             standardization_loss=standardize,
             standardization_site=standardization_loss_site,
@@ -204,9 +210,13 @@ def train_step(
         return loss, stats
 
     grad_fn = jax.grad(loss_fn, has_aux=True)
-    grads, stats = accumulate_gradients(
-        grad_fn, trainable, batch, step_rng, grad_accum_steps, stat_keys
-    )
+
+    def accumulate(trainable, batch, rng):
+        return accumulate_gradients(grad_fn, trainable, batch, rng, grad_accum_steps, stat_keys)
+
+    if reduce_once_on is not None:
+        accumulate = reduction.reduce_once(accumulate, reduce_once_on, STAT_KEYS)
+    grads, stats = accumulate(trainable, batch, step_rng)
     metrics = metrics_from_stats(stats)
     loss = metrics["mlm_loss"] + nsp_loss_weight * metrics["nsp_loss"]
     objective = loss
