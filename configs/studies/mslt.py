@@ -51,9 +51,9 @@ BASELINE_PHASE = "baseline"
 SIZES = {
     # A 4-layer BERT (H128, 2 heads, MLP 512; layers unrolled, bfloat16 compute) on
     # CPython's embedded corpus at sequence 32 (spec.cpu_study_config): stages of 1, 2 and 4
-    # layers, 120 steps each, then 180 steps of all four. LAMB at 1e-2 left the unigram
-    # plateau (held-out loss 5.68-5.69, accuracy 7.15%) after step 150 in a 200-step probe
-    # of the baseline; 360 steps take it past that.
+    # layers, 120 steps each, then 180 steps of all four. In a 200-step probe of the
+    # baseline, LAMB at 1e-2 sat on the unigram plateau (held-out loss 5.68-5.70) from step
+    # 75 to 150 and left it after; 360 steps take it past that.
     "cpu": dict(
         model="tiny",
         num_layers=4,

@@ -90,7 +90,8 @@ def stages(study: dict) -> list[tuple[str, int, int]]:
     for index, depth in enumerate(depths):
         length = share + (extra if index == len(depths) - 1 else 0)
         trained = depth - (depths[index - 1] if index else 0)
-        result.append((f"{depth} layers ({trained} trained)", start + 1, start + length))
+        layers = f"{depth} layer{'s' if depth > 1 else ''}"
+        result.append((f"{layers} ({trained} trained)", start + 1, start + length))
         start += length
     result.append(
         (f"final: {depths[-1]} layers (all trained)", start + 1, start + study["final_steps"])

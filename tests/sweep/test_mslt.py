@@ -117,7 +117,7 @@ def test_the_report_takes_the_baseline_and_the_arms_by_its_rule():
     ) in table
     assert "| decoder trained | 0.01 | - |  | - |  | 40 ms | 5.1000 | 5.5000 | 5.1000 |" in table
     assert mslt.stages(study) == [
-        ("1 layers (1 trained)", 1, 10),
+        ("1 layer (1 trained)", 1, 10),
         ("2 layers (1 trained)", 11, 20),
         ("4 layers (2 trained)", 21, 30),
         ("final: 4 layers (all trained)", 31, 50),
