@@ -119,6 +119,7 @@ def write_report(directory: str) -> str:
 STUDY_REPORTS = {
     "batch_scaling": "lambjax.sweep.batch_scaling",
     "chunked_accumulation": "lambjax.sweep.chunked_accumulation",
+    "mslt": "lambjax.sweep.mslt",
     "pld": "lambjax.sweep.pld",
     "standardization_loss": "lambjax.sweep.standardization_loss",
 }

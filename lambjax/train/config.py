@@ -82,6 +82,8 @@ def phase_config(
     optimizer_state: str = "keep",
     num_layers: int | None = None,
     frozen_layers: int = 0,
+    train_decoder: bool = False,
+    continue_schedule: bool = False,
 ) -> ml_collections.ConfigDict:
     return ml_collections.ConfigDict(
         {
@@ -111,6 +113,12 @@ def phase_config(
             # A deeper phase than the one before grows the encoder by copying its top layers.
             "num_layers": ml_collections.FieldReference(num_layers, field_type=int),
             "frozen_layers": frozen_layers,
+            # With frozen layers: train the tied MLM decoder (the word-embedding matrix)
+            # through the output projection only (the input lookup stays frozen).
+            "train_decoder": train_decoder,
+            # Continue the previous phase's warm-up and decay (one schedule over both) rather
+            # than re-warming; the schedule settings must be the same.
+            "continue_schedule": continue_schedule,
             # Overrides of the top-level optimizer / mesh for this phase only (None: inherit),
             # e.g. --config.phases.phase2.optimizer.name=lans.
             "optimizer": _unset_fields(optimizer_config()),

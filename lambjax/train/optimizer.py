@@ -6,12 +6,16 @@ from lambjax import optim
 
 
 def learning_rate_schedule(phase) -> optax.Schedule:
+    """The phase's schedule (a SchedulePlan) as a function of the phase's own step count; a
+    phase that continues another's starts `start_step` steps into the span."""
+    offset = -phase.start_step
     if phase.schedule == "poly_warmup":
         return optim.poly_warmup_schedule(
             phase.learning_rate,
             total_steps=phase.num_steps,
             warmup_fraction=phase.warmup_fraction,
             power=phase.decay_power,
+            offset=offset,
         )
     if phase.schedule == "warmup_constant_decay":
         return optim.warmup_constant_decay_schedule(
@@ -20,6 +24,7 @@ def learning_rate_schedule(phase) -> optax.Schedule:
             warmup_fraction=phase.warmup_fraction,
             constant_fraction=phase.constant_fraction,
             degree=phase.decay_power,
+            offset=offset,
         )
     return optax.constant_schedule(phase.learning_rate)
 

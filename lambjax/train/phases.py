@@ -77,7 +77,11 @@ class Phase:
     def new_state(self, params, opt_state=None) -> TrainState:
         """A state at step 0 (and, under Ouroboros, empty pipeline buffers)."""
         state = TrainState.create(
-            params, self.optimizer, self.num_frozen_layers, opt_state=opt_state
+            params,
+            self.optimizer,
+            self.num_frozen_layers,
+            opt_state=opt_state,
+            train_decoder=self.plan.train_decoder,
         )
         if self.pipeline_split is None:
             return state
@@ -93,7 +97,9 @@ class Phase:
 
     def init_optimizer(self, params):
         """A fresh optimizer state for this phase's trainable view of `params`."""
-        return state_lib.init_optimizer_state(self.optimizer, params, self.num_frozen_layers)
+        return state_lib.init_optimizer_state(
+            self.optimizer, params, self.num_frozen_layers, self.plan.train_decoder
+        )
 
     @functools.cached_property
     def per_layer(self) -> bool:
@@ -114,6 +120,7 @@ class Phase:
             mesh=self.mesh,
             optimizer=self.optimizer,
             num_frozen_layers=self.num_frozen_layers,
+            train_decoder=self.plan.train_decoder,
         )
         if self.pipeline_split is None:
             return shardings
@@ -135,6 +142,7 @@ class Phase:
             mesh=self.mesh,
             optimizer=self.optimizer,
             num_frozen_layers=self.num_frozen_layers,
+            train_decoder=self.plan.train_decoder,
         )
 
     def abstract_state(self) -> TrainState:
@@ -175,6 +183,7 @@ class Phase:
             nsp_loss_weight=plan.nsp_loss_weight,
             layer_drop=plan.layer_drop,
             num_frozen_layers=plan.num_frozen_layers,
+            train_decoder=plan.train_decoder,
             standardization_loss_weight=plan.standardization_loss_weight,
             standardization_loss_site=plan.standardization_loss_site,
             reduce_once_on=self.mesh if plan.gradient_reduction == "once" else None,

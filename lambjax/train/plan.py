@@ -54,7 +54,8 @@ class SchedulePlan:
 
     schedule: str  # poly_warmup | warmup_constant_decay | constant
     learning_rate: float
-    num_steps: int
+    num_steps: int  # the steps its warm-up and decay span: the phase's, or of phases joined
+    start_step: int  # the span's steps before this phase (0 unless it continues another's)
     warmup_fraction: float
     constant_fraction: float
     decay_power: float
@@ -110,6 +111,7 @@ class PhasePlan:
     optimizer_state: str  # at the phase's start: keep the previous moments, or reset
     mesh: Mapping[str, int]  # every mesh axis's size, -1 resolved
     num_frozen_layers: int  # bottom layers not trained (a stage of MSLT)
+    train_decoder: bool  # with frozen layers: the tied MLM decoder trains (lambjax.train.stacking)
     layer_drop: layer_drop.LayerDrop | None
     nsp_loss_weight: float  # 0 without next-sentence prediction
     standardization_loss_weight: float  # 0: off
@@ -156,10 +158,22 @@ def resolve(config, *, vocab_size: int, num_devices: int, process_count: int = 1
         lambda: prng.check(config.prng_impl),
         lambda: standardization.check_site(config.standardization_loss.site),
     )
+    spans = {}
+    _check_features(
+        lambda: spans.update(stacking.schedule_spans(config.phases, config.phase_order))
+    )
     phases, previous, step_offset = [], None, 0
     for index, name in enumerate(config.phase_order):
         phase = _phase(
-            config, name, index, step_offset, previous, vocab_size, num_devices, process_count
+            config,
+            name,
+            index,
+            step_offset,
+            previous,
+            spans[name],
+            vocab_size,
+            num_devices,
+            process_count,
         )
         phases.append(phase)
         previous, step_offset = phase, step_offset + phase.num_steps
@@ -227,7 +241,15 @@ def _check_run(config, process_count: int) -> None:
 
 
 def _phase(
-    config, name, index, step_offset, previous, vocab_size, num_devices, process_count
+    config,
+    name,
+    index,
+    step_offset,
+    previous,
+    schedule_span,
+    vocab_size,
+    num_devices,
+    process_count,
 ) -> PhasePlan:
     phase, where = config.phases[name], f"config.phases.{name}"
     _check_phase_fields(phase, where)
@@ -254,17 +276,11 @@ def _phase(
         batch=_batch_geometry(phase, mesh, where, process_count),
         model=model,
         optimizer=optimizer,
-        schedule=SchedulePlan(
-            schedule=phase.schedule,
-            learning_rate=phase.learning_rate,
-            num_steps=phase.num_steps,
-            warmup_fraction=phase.warmup_fraction,
-            constant_fraction=phase.constant_fraction,
-            decay_power=phase.decay_power,
-        ),
+        schedule=_schedule(phase, schedule_span),
         optimizer_state=phase.optimizer_state,
         mesh=mesh,
         num_frozen_layers=phase.frozen_layers,
+        train_decoder=phase.train_decoder,
         layer_drop=(
             layer_drop.LayerDrop(
                 drop.theta_bar, drop.gamma, step_offset=step_offset, depth_rule=drop.depth_rule
@@ -281,6 +297,19 @@ def _phase(
         packing=_packing(config.data, phase.max_seq_length),
         gradient_reduction=config.gradient_reduction,
         previous=previous,
+    )
+
+
+def _schedule(phase, span: tuple[int, int]) -> SchedulePlan:
+    """The phase's schedule over `span` = (steps it spans, its steps before the phase)."""
+    return SchedulePlan(
+        schedule=phase.schedule,
+        learning_rate=phase.learning_rate,
+        num_steps=span[0],
+        start_step=span[1],
+        warmup_fraction=phase.warmup_fraction,
+        constant_fraction=phase.constant_fraction,
+        decay_power=phase.decay_power,
     )
 
 

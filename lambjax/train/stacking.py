@@ -14,8 +14,16 @@ respect to the trainable view only, so no backward pass runs through the frozen 
 (they sit under `stop_gradient` in the model, and nothing asks for their gradients), and the
 optimizer state exists only for the trainable view. The embeddings are frozen with the
 layers above them: training them would need the backward pass through every frozen layer.
-The MLM decoder is tied to the word embeddings, so it is frozen too; the heads' transform,
-LayerNorm and bias, the pooler and the NSP classifier train in every stage.
+The MLM decoder is tied to the word embeddings, so it is frozen too, unless the stage sets
+`phases.NAME.train_decoder`: the word-embedding matrix then joins the trainable view
+(`{"embeddings": {"word": ...}, ...}`) and is trained through the output projection only,
+since the embeddings' output sits under `stop_gradient` (the input lookup's share of its
+gradient is not computed). The heads' transform, LayerNorm and bias, the pooler and the NSP
+classifier train in every stage.
+
+A stage may also continue the schedule of the stage before it
+(`phases.NAME.continue_schedule`): one warm-up and decay then spans the phases so joined
+(`schedule_spans`), where by default each phase re-warms and decays to zero on its own.
 
 With n = 0 the trainable view is the whole tree and nothing is split. With the layers held
 one tree per layer (an unrolled run's train state, lambjax.train.layout) the view holds the
@@ -47,13 +55,18 @@ def _concatenate_layers(frozen, trainable):
 
 
 def split(
-    tree: dict, num_frozen_layers: int, take: Callable[[Any, slice], Any] = _take_layers
+    tree: dict,
+    num_frozen_layers: int,
+    take: Callable[[Any, slice], Any] = _take_layers,
+    *,
+    train_decoder: bool = False,
 ) -> tuple[dict, dict | None]:
     """(trainable view, frozen part) of a params-shaped tree; (tree, None) when n = 0.
 
     The tree's layers are stacked or held one tree per layer (lambjax.models.layer_layout);
     the view keeps its layout. `take(leaf, slice)` cuts a stacked-layers leaf; pass another
-    for trees whose leaves are not arrays (e.g. shardings: `lambda s, _: s`).
+    for trees whose leaves are not arrays (e.g. shardings: `lambda s, _: s`). With
+    `train_decoder` the word embeddings (the tied MLM decoder) are in the view.
     """
     n = num_frozen_layers
     if n == 0:
@@ -70,7 +83,11 @@ def split(
         )
         frozen_encoder = {"layers": jax.tree.map(lambda x: take(x, slice(0, n)), encoder["layers"])}
     trainable = {"encoder": trainable_encoder, "heads": tree["heads"]}
-    return trainable, {"embeddings": tree["embeddings"], "encoder": frozen_encoder}
+    embeddings = tree["embeddings"]
+    if train_decoder:
+        trainable["embeddings"] = {"word": embeddings["word"]}
+        embeddings = {k: v for k, v in embeddings.items() if k != "word"}
+    return trainable, {"embeddings": embeddings, "encoder": frozen_encoder}
 
 
 def merge(trainable: dict, frozen: dict | None, concatenate=_concatenate_layers) -> dict:
@@ -83,7 +100,8 @@ def merge(trainable: dict, frozen: dict | None, concatenate=_concatenate_layers)
         encoder = {**trainable["encoder"], "layers": layers}
     else:  # per layer: the trees side by side, nothing concatenated
         encoder = {**frozen_encoder, **trainable["encoder"]}
-    return {"embeddings": frozen["embeddings"], "encoder": encoder, "heads": trainable["heads"]}
+    embeddings = {**frozen["embeddings"], **trainable.get("embeddings", {})}
+    return {"embeddings": embeddings, "encoder": encoder, "heads": trainable["heads"]}
 
 
 def grow_layers(config: BertConfig, params: dict, num_layers: int) -> tuple[BertConfig, dict]:
@@ -116,6 +134,12 @@ def check(phases) -> None:
                 f"{where}.frozen_layers={phase.num_frozen_layers} must lie in [0, {depth}) for "
                 f"its {depth} layers (at least the top layer trains)"
             )
+        if phase.train_decoder and not phase.num_frozen_layers:
+            raise ValueError(
+                f"{where}.train_decoder=True, but the phase freezes no layers "
+                f"(frozen_layers=0), so its decoder trains already; set it only on a stage "
+                f"with frozen_layers > 0"
+            )
         previous = phase.previous
         if previous is None:
             continue
@@ -125,10 +149,62 @@ def check(phases) -> None:
                 f"{where} has {depth} layers, fewer than the {previous_depth} of the phase "
                 f"before it: stages may only grow the encoder"
             )
-        changed = depth != previous_depth or phase.num_frozen_layers != previous.num_frozen_layers
+        changed = (
+            depth != previous_depth
+            or phase.num_frozen_layers != previous.num_frozen_layers
+            or phase.train_decoder != previous.train_decoder
+        )
         if changed and phase.optimizer_state == "keep":
             raise ValueError(
-                f"{where} changes the trained layers (depth {previous_depth} -> {depth}, "
-                f"frozen {previous.num_frozen_layers} -> {phase.num_frozen_layers}), so the "
+                f"{where} changes the trained parameters (depth {previous_depth} -> {depth}, "
+                f"frozen {previous.num_frozen_layers} -> {phase.num_frozen_layers}, "
+                f"decoder trained {previous.train_decoder} -> {phase.train_decoder}), so the "
                 f"optimizer state cannot be kept: set {where}.optimizer_state='reset'"
             )
+
+
+def schedule_spans(phases_config, phase_order) -> dict[str, tuple[int, int]]:
+    """Phase name -> (steps its schedule spans, steps of that span before the phase).
+
+    A phase with `continue_schedule` joins the schedule of the phase before it: the
+    warm-up and decay of the joined phases is one, over their steps added up. Raises
+    ValueError where a phase cannot continue: it is the first, or its schedule settings
+    differ from those of the phase it continues.
+    """
+    groups: list[list[str]] = []
+    for index, name in enumerate(phase_order):
+        phase, where = phases_config[name], f"config.phases.{name}"
+        if not phase.continue_schedule:
+            groups.append([name])
+            continue
+        if index == 0:
+            raise ValueError(
+                f"{where}.continue_schedule=True, but it is the first phase: there is no "
+                f"schedule to continue"
+            )
+        previous = phases_config[phase_order[index - 1]]
+        for field in SCHEDULE_FIELDS:
+            if phase[field] != previous[field]:
+                raise ValueError(
+                    f"{where}.continue_schedule=True needs the schedule of phase "
+                    f"{phase_order[index - 1]!r}: {field}={phase[field]!r} there is "
+                    f"{previous[field]!r}"
+                )
+        groups[-1].append(name)
+    spans = {}
+    for group in groups:
+        total, start = sum(phases_config[name].num_steps for name in group), 0
+        for name in group:
+            spans[name] = (total, start)
+            start += phases_config[name].num_steps
+    return spans
+
+
+# The settings one schedule is made of: a phase continuing another's must share them.
+SCHEDULE_FIELDS = (
+    "schedule",
+    "learning_rate",
+    "warmup_fraction",
+    "constant_fraction",
+    "decay_power",
+)

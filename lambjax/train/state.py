@@ -33,12 +33,13 @@ class TrainState(flax.struct.PyTreeNode):
         num_frozen_layers: int = 0,
         *,
         opt_state=None,
+        train_decoder: bool = False,
     ) -> "TrainState":
         """A state at step 0. Its optimizer state is fresh, for the trainable view of
         `params` only (lambjax.train.stacking), or `opt_state` where given (moments kept
         from an earlier phase)."""
         if opt_state is None:
-            opt_state = init_optimizer_state(optimizer, params, num_frozen_layers)
+            opt_state = init_optimizer_state(optimizer, params, num_frozen_layers, train_decoder)
 
         def zero():
             return jnp.zeros((), jnp.int32)
@@ -46,10 +47,12 @@ class TrainState(flax.struct.PyTreeNode):
         return cls(zero(), params, opt_state, zero(), zero())
 
 
-def init_optimizer_state(optimizer: optax.GradientTransformation, params, num_frozen_layers):
+def init_optimizer_state(
+    optimizer: optax.GradientTransformation, params, num_frozen_layers, train_decoder=False
+):
     """A fresh optimizer state for the trainable view of `params` (all of it when no layer is
     frozen)."""
-    return optimizer.init(stacking.split(params, num_frozen_layers)[0])
+    return optimizer.init(stacking.split(params, num_frozen_layers, train_decoder=train_decoder)[0])
 
 
 def shardings(
@@ -59,6 +62,7 @@ def shardings(
     mesh: jax.sharding.Mesh,
     optimizer: optax.GradientTransformation,
     num_frozen_layers: int,
+    train_decoder: bool = False,
 ) -> TrainState:
     """A NamedSharding for every leaf of `abstract` (a TrainState of ShapeDtypeStructs)."""
     param_shardings = sharding.tree_shardings(abstract.params, param_axes, mesh)
@@ -71,9 +75,13 @@ def shardings(
     # The optimizer state covers the trainable view only (all parameters, but in an MSLT
     # stage). Cutting layers off a stacked leaf keeps its sharding: `layers` is sharded
     # only over the stage axis of Ouroboros, which runs no MSLT stage.
-    n = num_frozen_layers
-    trainable_params = jax.eval_shape(lambda p: stacking.split(p, n)[0], abstract.params)
-    trainable_shardings, _ = stacking.split(param_shardings, n, take=lambda s, _: s)
+    n, decoder = num_frozen_layers, train_decoder
+    trainable_params = jax.eval_shape(
+        lambda p: stacking.split(p, n, train_decoder=decoder)[0], abstract.params
+    )
+    trainable_shardings, _ = stacking.split(
+        param_shardings, n, take=lambda s, _: s, train_decoder=decoder
+    )
     opt_shardings = optax.tree_map_params(
         optimizer,
         like_param,

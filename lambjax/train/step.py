@@ -10,7 +10,8 @@ and gradient are finite (`apply_if_finite`).
 Two layer-level training schemes plug in here: progressive layer dropping
 (`layer_drop`, lambjax.train.layer_drop) draws which layers each micro-batch runs, and
 multi-stage layerwise training (`num_frozen_layers`, lambjax.train.stacking) differentiates
-and updates only the parameters above the frozen bottom layers.
+and updates only the parameters above the frozen bottom layers (and, with `train_decoder`,
+the tied MLM decoder).
 
 The standardization loss (`standardization_loss_weight` > 0, a model with normalization
 'none'; lambjax.models.standardization) adds lambda x L_std, at `standardization_loss_site`,
@@ -98,6 +99,7 @@ def apply_if_finite(
     loss: jax.Array,
     optimizer: optax.GradientTransformation,
     num_frozen_layers: int,
+    train_decoder: bool = False,
 ) -> tuple[TrainState, dict]:
     """The optimizer update, or none at all where the loss or the gradient is not finite.
 
@@ -106,7 +108,7 @@ def apply_if_finite(
     `grad_norm` (of `grads`, the gradient the optimizer is given, before any clipping),
     the norms of `update_norms` (the update's is 0 on a skipped step) and `nonfinite`.
     """
-    trainable, frozen = stacking.split(state.params, num_frozen_layers)
+    trainable, frozen = stacking.split(state.params, num_frozen_layers, train_decoder=train_decoder)
     # The finiteness test needs the gradient's norm before the update. The optimizer is
     # given it (lambjax's clip_by_global_norm uses it instead of computing it again).
     # Testing after the update and selecting the old or new state instead, to take the
@@ -165,6 +167,7 @@ def train_step(
     nsp_loss_weight: float = 1.0,
     layer_drop: LayerDrop | None = None,
     num_frozen_layers: int = 0,
+    train_decoder: bool = False,
     standardization_loss_weight: float = 0.0,
     standardization_loss_site: str = "residual",
     reduce_once_on: jax.sharding.Mesh | None = None,
@@ -178,7 +181,7 @@ def train_step(
     mlm_total = jnp.maximum(jnp.sum(batch["masked_lm_weights"].astype(jnp.float32)), 1e-9)
     nsp_total = jnp.maximum(jnp.sum(pretraining.nsp_example_weights(batch)), 1.0)
     step_rng = jax.random.fold_in(rng, state.step)
-    trainable, frozen = stacking.split(state.params, num_frozen_layers)
+    trainable, frozen = stacking.split(state.params, num_frozen_layers, train_decoder=train_decoder)
     stat_keys = STAT_KEYS + (("layers_run_sum",) if layer_drop else ())
     standardize = standardization_loss_weight > 0
     if standardize:
@@ -224,7 +227,7 @@ def train_step(
         metrics["standardization_loss"] = stats["standardization_loss"] / grad_accum_steps
         objective = loss + standardization_loss_weight * metrics["standardization_loss"]
     new_state, update_metrics = apply_if_finite(
-        state, grads, objective, optimizer, num_frozen_layers
+        state, grads, objective, optimizer, num_frozen_layers, train_decoder
     )
     metrics = train_metrics(metrics, loss, state, new_state, update_metrics, schedule=schedule)
     if layer_drop is not None:

@@ -91,7 +91,8 @@ def multi_stage(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     re-warms its learning rate and starts a fresh optimizer state (the new layers have none).
     The later phases (phase 2 at sequence 512) train every layer: the final all-layer stage.
     The paper's per-stage step counts and its final stage are not published; these are
-    choices.
+    choices. A stage's `continue_schedule` and `train_decoder` change the other two (one
+    schedule across stages; the tied decoder trained); docs/studies/mslt.md compares them.
     """
     depths = stage_depths(model_depth(config))
     first, *later = config.phase_order

@@ -185,6 +185,8 @@ def test_bad_phase_configs_name_the_value(change, message):
         (dict(frozen_layers=2), r"phase1.frozen_layers=2 must lie in \[0, 2\)"),
         (dict(num_layers=4), r"phase2 has 2 layers, fewer than the 4"),
         (dict(num_layers=0), r"num_layers=0 must be a positive integer"),
+        (dict(train_decoder=True), r"phase1.train_decoder=True, but the phase freezes no lay"),
+        (dict(continue_schedule=True), r"phase1.continue_schedule=True, but it is the first"),
     ],
 )
 def test_bad_stage_configs_name_the_value(change, message):
@@ -198,6 +200,25 @@ def test_a_stage_that_changes_the_trained_layers_must_reset_the_optimizer():
         validate(config, num_devices=1)
     config.phases.phase2.optimizer_state = "reset"
     validate(config, num_devices=1)
+
+
+def test_a_phase_continues_only_a_schedule_with_its_settings():
+    config = default()
+    config.phases.phase2.continue_schedule = True
+    with pytest.raises(config_lib.ConfigError) as error:
+        validate(config, num_devices=1)
+    phase1, phase2 = config.phases.phase1, config.phases.phase2
+    assert str(error.value) == (
+        "config.phases.phase2.continue_schedule=True needs the schedule of phase 'phase1': "
+        f"learning_rate={phase2.learning_rate!r} there is {phase1.learning_rate!r}"
+    )
+    phase2.learning_rate, phase2.warmup_fraction = phase1.learning_rate, phase1.warmup_fraction
+    schedules = [phase.schedule for phase in validate(config, num_devices=1).phases]
+    total = phase1.num_steps + phase2.num_steps
+    assert [(s.num_steps, s.start_step) for s in schedules] == [
+        (total, 0),
+        (total, phase1.num_steps),
+    ]
 
 
 def test_layer_drop_needs_preln_and_valid_settings():

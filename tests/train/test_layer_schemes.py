@@ -10,11 +10,12 @@ import optax
 import pytest
 
 from lambjax.models import bert, pretraining
-from lambjax.train import stacking, throughput
+from lambjax.train import config as config_lib
+from lambjax.train import plan, stacking, throughput, variants
 from lambjax.train import step as step_lib
 from lambjax.train.config import optimizer_config
 from lambjax.train.layer_drop import LayerDrop
-from lambjax.train.optimizer import make_optimizer
+from lambjax.train.optimizer import learning_rate_schedule, make_optimizer
 from lambjax.train.state import TrainState
 from tests.helpers import dot_flops, random_batch
 
@@ -41,7 +42,8 @@ def run_steps(name="lamb", steps=3, accum=2, **step_kwargs):
     )
     params = bert.init_params(CONFIG, jax.random.key(0))
     frozen = step_kwargs.get("num_frozen_layers", 0)
-    state = TrainState.create(params, optimizer(name), frozen)
+    decoder = step_kwargs.get("train_decoder", False)
+    state = TrainState.create(params, optimizer(name), frozen, train_decoder=decoder)
     history = []
     for index in range(steps):
         state, metrics = step(state, random_batch(index), jax.random.key(1))
@@ -249,3 +251,104 @@ def test_grow_layers_copies_the_top_layers():
     new = grown["encoder"]["layers"]["mlp"]["output"]["kernel"]
     for target, source in [(0, 0), (1, 1), (2, 2), (3, 1), (4, 2)]:
         np.testing.assert_array_equal(new[target], src[source])
+
+
+def stage_plans(num_steps=90, continue_schedule=False):
+    """The `mslt` variant's three stages of a 4-layer model (depths 1, 2, 4), resolved."""
+    config = config_lib.base_config()
+    config.model.overrides.num_layers = 4
+    config_lib.with_phases(
+        config,
+        phase1=config_lib.phase_config(
+            max_seq_length=32,
+            max_predictions_per_seq=5,
+            global_batch_size=8,
+            num_steps=num_steps,
+            learning_rate=1e-3,
+            warmup_fraction=0.1,
+        ),
+    )
+    config = variants.apply(config, ["mslt"])
+    for name in config.phase_order[1:]:
+        config.phases[name].continue_schedule = continue_schedule
+    return plan.resolve(config, vocab_size=128, num_devices=1).phases
+
+
+def numpy_poly_warmup(peak, total, warmup, steps):
+    """NVIDIA's PolyWarmUpScheduler, steps counted from 1."""
+    p = (np.asarray(steps) + 1) / total
+    return np.where(p < warmup, peak * p / warmup, peak * np.clip(1 - p, 0, 1) ** 0.5)
+
+
+@pytest.mark.parametrize("continue_schedule", [False, True])
+def test_one_schedule_runs_on_across_the_stages(continue_schedule):
+    phases = stage_plans(continue_schedule=continue_schedule)
+    assert [(p.model.num_layers, p.num_frozen_layers, p.num_steps) for p in phases] == [
+        (1, 0, 30),
+        (2, 1, 30),
+        (4, 2, 30),
+    ]
+    # Each stage's schedule at its own step count 0 ... 29, as the train step calls it.
+    rates = np.concatenate(
+        [
+            np.asarray(jax.vmap(learning_rate_schedule(p.schedule))(jnp.arange(p.num_steps)))
+            for p in phases
+        ]
+    )
+    if continue_schedule:  # one warm-up over 9 steps, one decay to 0 at step 90
+        expected = numpy_poly_warmup(1e-3, 90, 0.1, np.arange(90))
+    else:  # each stage re-warms over 3 steps and decays to 0 at its end
+        expected = np.tile(numpy_poly_warmup(1e-3, 30, 0.1, np.arange(30)), 3)
+    np.testing.assert_allclose(rates, expected, rtol=1e-5, atol=1e-12)
+    jumps = np.abs(np.diff(rates)).max()
+    assert jumps < 1.2e-4 if continue_schedule else jumps > 3e-4
+
+
+def test_a_trained_decoder_changes_while_the_frozen_layers_and_lookups_do_not():
+    params, state, metrics = run_steps(steps=3, num_frozen_layers=2, train_decoder=True)
+    before, after = params["encoder"]["layers"], state.params["encoder"]["layers"]
+    assert_trees_equal(jax.tree.map(lambda x: x[:2], before), jax.tree.map(lambda x: x[:2], after))
+    other_embeddings = lambda tree: {k: v for k, v in tree["embeddings"].items() if k != "word"}  # noqa: E731
+    assert_trees_equal(other_embeddings(params), other_embeddings(state.params))
+    word = params["embeddings"]["word"]["embedding"]
+    assert bool(jnp.any(state.params["embeddings"]["word"]["embedding"] != word))
+    view, _ = stacking.split(params, 2, train_decoder=True)
+    shapes = lambda tree: [x.shape for x in jax.tree.leaves(tree)]  # noqa: E731
+    assert shapes(state.opt_state) == shapes(optimizer("lamb").init(view))
+    moments = optax.tree_utils.tree_get_all_with_path(state.opt_state, "word")
+    assert any(x.shape == word.shape for _, m in moments for x in jax.tree.leaves(m))
+    assert all(np.isfinite(m["loss"]) for m in metrics)
+
+
+@pytest.mark.parametrize("scan_layers", [True, False])
+def test_the_trained_decoder_gradient_is_the_output_projection_part(scan_layers):
+    """The word embeddings' gradient in a stage is that of the tied decoder alone: the MLM
+    loss differentiated with respect to the matrix the heads project onto, the encoder's
+    output held fixed. Trained from the input as well (no frozen layers), it differs."""
+    config = dataclasses.replace(CONFIG, scan_layers=scan_layers)
+    params = bert.init_params(config, jax.random.key(0))
+    x = random_batch(0)
+    trainable, frozen = stacking.split(params, 2, train_decoder=True)
+
+    def stage_loss(trainable):
+        merged = stacking.merge(trainable, frozen)
+        return pretraining.pretraining_stats(config, merged, x, num_frozen_layers=2)["mlm_loss_sum"]
+
+    gradient = jax.grad(stage_loss)(trainable)["embeddings"]["word"]["embedding"]
+    hidden, _ = bert.encoder_outputs_and_standardization_loss(
+        config, params, x["input_ids"], x["segment_ids"], x["input_mask"]
+    )
+
+    def decoder_loss(decoder):
+        logits = bert.Heads(config).apply(
+            {"params": params["heads"]}, hidden, x["masked_lm_positions"], decoder
+        )
+        return pretraining.stats_from_logits(*logits, x)["mlm_loss_sum"]
+
+    word = params["embeddings"]["word"]["embedding"]
+    reference = jax.grad(decoder_loss)(word)
+    np.testing.assert_allclose(gradient, reference, rtol=1e-5, atol=1e-7)
+    full = jax.grad(lambda p: pretraining.pretraining_stats(config, p, x)["mlm_loss_sum"])(params)[
+        "embeddings"
+    ]["word"]["embedding"]
+    assert float(jnp.abs(full - reference).max()) > 100 * 1e-7

@@ -1,0 +1,186 @@
+"""The MSLT study (configs/studies/mslt.py, lambjax.sweep.mslt): its trials are the arms
+its question names, its report picks the baseline and the arms by the rule it states, and
+its smallest form runs through `python -m lambjax.sweep` and `report`."""
+
+import json
+import math
+import os
+import sys
+
+import pytest
+
+from lambjax import cli
+from lambjax.sweep import mslt, spec
+from lambjax.train import plan
+from lambjax.train.metrics import read_jsonl
+from tests.helpers import REPO, run
+
+CONFIG = "configs/studies/mslt.py"
+
+
+def study_module():
+    return cli.load_module(os.path.join(REPO, CONFIG))[0]
+
+
+def resolved(config, overrides, num_devices):
+    trial_config = config.copy_and_resolve_references()
+    trial_config.update_from_flattened_dict(overrides)
+    return plan.resolve(trial_config, vocab_size=2048, num_devices=num_devices).phases
+
+
+@pytest.mark.parametrize("size", ["cpu", "base"])
+def test_the_trials_are_the_arms_of_the_question(size):
+    module = study_module()
+    study = module.SIZES[size]
+    config = module.get_config(size)
+    trials = spec.trials(config, module.get_sweep(size))
+    rates = study["learning_rates"]
+    assert {(t.labels["arm"], t.labels["lr"]) for t in trials} == {
+        (arm, lr) for arm in module.ARMS for lr in rates
+    }
+    assert trials[0].labels["arm"] == "baseline"
+    depth, steps = study["num_layers"], study["num_steps"]
+    stage_depths = (1, 2, 4) if size == "cpu" else (3, 6, 12)
+    share = steps // 3
+    devices = 256 if size == "base" else 1
+    for trial in trials:
+        arm, lr = trial.labels["arm"], trial.labels["lr"]
+        phases = resolved(config, trial.overrides, devices)
+        assert all(p.schedule.learning_rate == lr for p in phases)
+        assert all(p.optimizer.name == "lamb" for p in phases)
+        if arm == "baseline":  # the full model, one phase, one schedule
+            [phase] = phases
+            assert (phase.model.num_layers, phase.num_frozen_layers) == (depth, 0)
+            assert (phase.num_steps, phase.schedule.num_steps) == (steps, steps)
+            continue
+        # The MSLT arms: the variant's growth and steps, then the final all-layer phase.
+        assert [p.model.num_layers for p in phases] == [*stage_depths, depth]
+        assert [p.num_steps for p in phases] == [share] * 3 + [study["final_steps"]]
+        frozen = [p.num_frozen_layers for p in phases]
+        assert frozen == ([0, 0, 0, 0] if arm == "nothing_frozen" else [0, *stage_depths[:2], 0])
+        assert [p.train_decoder for p in phases] == (
+            [False, True, True, False] if arm == "decoder" else [False] * 4
+        )
+        total = steps + study["final_steps"]
+        spans = [(p.schedule.num_steps, p.schedule.start_step) for p in phases]
+        if arm == "one_schedule":
+            assert spans == [(total, 0), (total, share), (total, 2 * share), (total, steps)]
+        else:
+            assert spans == [(p.num_steps, 0) for p in phases]
+        assert all(p.optimizer_state == "reset" for p in phases[1:])
+    if size == "base":  # batch 4,096 at sequence 128 on 256 devices, one micro-batch
+        assert (phases[0].batch.global_batch_size, phases[0].batch.max_seq_length) == (4096, 128)
+        assert phases[0].batch.grad_accum_steps == 1
+
+
+def point(arm, lr, curve, step_time=0.1):
+    times = {step: step * step_time for step, _ in curve}
+    finite = [loss for _, loss in curve if math.isfinite(loss)]
+    return dict(
+        arm=arm,
+        lr=lr,
+        seed=0,
+        name="",
+        curve=curve,
+        times=times,
+        best=min(finite) if finite else math.inf,
+        final=curve[-1][1],
+        step_time=step_time,
+        step_times=[(step, step_time) for step, _ in curve],
+        status="finished",
+    )
+
+
+def test_the_report_takes_the_baseline_and_the_arms_by_its_rule():
+    grid = [
+        # Baseline: 1e-2 has the lowest best loss (5.0 at step 30): the target.
+        point("baseline", 5e-3, [(10, 6.0), (20, 5.5), (30, 5.2)]),
+        point("baseline", 1e-2, [(10, 5.8), (20, 5.3), (30, 5.0)]),
+        # As implemented: 5e-3 reaches 5.0 at step 40, 1e-2 at 50 with a lower best loss.
+        point("as_implemented", 5e-3, [(10, 6.5), (30, 5.5), (40, 5.0), (50, 4.99)], 0.05),
+        point("as_implemented", 1e-2, [(10, 6.4), (30, 5.4), (40, 5.1), (50, 4.9)], 0.05),
+        # Decoder: neither reaches the target; the lower best loss wins.
+        point("decoder", 5e-3, [(10, 6.5), (30, 5.6), (50, 5.2)], 0.04),
+        point("decoder", 1e-2, [(10, 6.5), (30, 5.5), (50, 5.1)], 0.04),
+    ]
+    base = mslt.baseline(grid)
+    assert base["lr"] == 1e-2 and base["best"] == 5.0
+    rows = mslt.chosen_arms(grid, base["best"], ["baseline", "as_implemented", "decoder"])
+    assert [(p["arm"], p["lr"]) for p in rows] == [("as_implemented", 5e-3), ("decoder", 1e-2)]
+    study = dict(num_steps=30, final_steps=20, stage_depths=[1, 2, 4])
+    table = mslt.comparison_table(base, rows, base["best"], study)
+    # Baseline: 30 steps, 3.0 s; as implemented: 40 steps at 0.05 s = 2.0 s: 0.75x the
+    # steps, 1.50x the speed; its loss at the baseline's last step, 30, is 5.5.
+    assert (
+        "| MSLT as implemented | 0.005 | 40 | 0.75x | 2.0 s | 1.50x | 50 ms | 4.9900 | 5.5000 "
+        "| 4.9900 |"
+    ) in table
+    assert "| decoder trained | 0.01 | - |  | - |  | 40 ms | 5.1000 | 5.5000 | 5.1000 |" in table
+    assert mslt.stages(study) == [
+        ("1 layer (1 trained)", 1, 10),
+        ("2 layers (1 trained)", 11, 20),
+        ("4 layers (2 trained)", 21, 30),
+        ("final: 4 layers (all trained)", 31, 50),
+    ]
+    stage_rows = mslt.stage_table(base, rows, study).splitlines()
+    assert stage_rows[2] == (
+        "| MSLT as implemented | 50 ms (0.50) | - (-) | 50 ms (0.50) | 50 ms (0.50) |"
+    )
+
+
+def test_the_smallest_study_runs_through_the_sweep_and_report(tmp_path, study_data_dir):
+    workdir = tmp_path / "study"
+    command = [
+        "-m",
+        "lambjax.sweep",
+        f"--config={CONFIG}:smoke",
+        f"--workdir={workdir}",
+        f"--config.data.data_dir={study_data_dir}",
+        "--parallel=2",
+    ]
+    run([sys.executable, *command], 1, timeout=1200)  # the baseline and the decoder arm
+    state = json.loads((workdir / "sweep.json").read_text())
+    assert state["study"] == study_module().get_study("smoke")
+    assert {t["status"] for t in state["trials"].values()} == {"finished"}
+    baseline, decoder = "arm=baseline,lr=0.01,seed=0", "arm=decoder,lr=0.01,seed=0"
+    assert sorted(state["trials"]) == [baseline, decoder]
+    result = run([sys.executable, "-m", "lambjax.sweep", "report", str(workdir)], 1)
+    report = (workdir / "report.md").read_text()
+    assert "## MSLT's design choices" in report
+    assert report.split("\n", 2)[2].strip() in result.stdout
+    for name in ("mslt_loss_vs_steps.png", "mslt_loss_vs_time.png"):
+        assert (workdir / name).stat().st_size > 1000
+    evals = {}
+    for name in state["trials"]:
+        records = read_jsonl(str(workdir / name / "metrics.jsonl"))
+        evals[name] = [
+            (s, r["eval/mlm_loss"]) for s, r in sorted(records.items()) if "eval/mlm_loss" in r
+        ]
+    # The baseline runs 4 steps; the decoder arm stages of 1 and 2 layers, then 2 of all.
+    assert [s for s, _ in evals[baseline]] == [2, 4]
+    assert [s for s, _ in evals[decoder]] == [2, 4, 6]
+    target = min(loss for _, loss in evals[baseline])
+    assert f"Target: the baseline's best held-out MLM loss, {target:.4f}" in report
+    reached = next((str(s) for s, loss in evals[decoder] if loss <= target), "-")
+    best = min(loss for _, loss in evals[decoder])
+    assert f"| decoder trained | 0.01 | {reached} |" in report
+    assert f"{best:.4f} | {evals[decoder][1][1]:.4f} | {evals[decoder][-1][1]:.4f} |" in report
+
+
+def test_an_unknown_size_ends_with_one_line(tmp_path):
+    result = run(
+        [
+            sys.executable,
+            "-m",
+            "lambjax.sweep",
+            f"--config={CONFIG}:huge",
+            f"--workdir={tmp_path}/x",
+        ],
+        1,
+        check=False,
+    )
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines()[-1] == (
+        f"lambjax.sweep: error: --config={CONFIG}:huge: size 'huge'; valid: cpu, base, smoke"
+    )
+    assert not (tmp_path / "x").exists()
