@@ -18,7 +18,8 @@ DIR`: one step of each arm in turn in one process, so every arm sees the same lo
 training time to the target is then the steps times it; without that file, the trial's
 median logged step time and its logged step times added up (compiling and evaluating not
 counted either way). The report says which it used. Trials repeated with another seed get a
-table of their own: steps to the same target, and best loss, per seed.
+table of their own: best loss per seed and its gap to the repeated PostLN trial of that seed
+(the held-out split is masked by the run's seed, so losses compare within a seed).
 
 Written into DIR: the study's section of report.md, pld_loss_vs_steps.png and
 pld_loss_vs_time.png (held-out loss of the chosen trials against steps and training time,
@@ -155,8 +156,10 @@ def grid_table(grid: list[dict], target: float, study: dict) -> str:
     return "\n".join(lines)
 
 
-def seed_table(every: list[dict], target: float) -> str | None:
-    """The trials run at more than one seed: steps to the target / best loss, per seed."""
+def seed_table(every: list[dict]) -> str | None:
+    """The trials run at more than one seed: best held-out loss per seed, and its gap to
+    the repeated PostLN trial of the same seed. The held-out split is masked by the run's
+    seed, so losses compare within a seed, not across seeds."""
     groups = {}
     for p in every:
         groups.setdefault((p["arm"], p.get("gamma"), p["lr"]), {})[p["seed"]] = p
@@ -164,19 +167,21 @@ def seed_table(every: list[dict], target: float) -> str | None:
     if not repeated:
         return None
     seeds = sorted({seed for by_seed in repeated.values() for seed in by_seed})
+    postln = next((by_seed for (arm, _, _), by_seed in repeated.items() if arm == "postln"), {})
     header = ["arm", "lr", *(f"seed {seed}" for seed in seeds)]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for (arm, gamma, lr), by_seed in repeated.items():
         cells = []
         for seed in seeds:
-            p = by_seed.get(seed)
+            p, base = by_seed.get(seed), postln.get(seed)
             if p is None:
                 cells.append("")
             elif not p["curve"]:
                 cells.append(f"({p['status'] or 'not run'})")
+            elif arm == "postln" or base is None or not math.isfinite(base["best"]):
+                cells.append(number(p["best"], ".4f"))
             else:
-                steps = steps_to_target(p["curve"], target)
-                cells.append(f"{'-' if steps is None else steps} / {number(p['best'], '.4f')}")
+                cells.append(f"{number(p['best'], '.4f')} ({p['best'] - base['best']:+.4f})")
         lines.append(f"| {arm_name(arm, gamma)} | {lr:g} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -224,10 +229,11 @@ def study_report(directory: str, trials: dict, study: dict) -> str:
         grid_table(grid, target, study),
         "",
     ]
-    seeds = seed_table(every, target)
+    seeds = seed_table(every)
     if seeds:
         lines += [
-            "Repeated with another seed (steps to the same target / best loss):",
+            "Repeated with another seed: best held-out loss (and its gap to PostLN of the "
+            "same seed; the held-out masking follows the seed, so compare within a column):",
             "",
             seeds,
             "",

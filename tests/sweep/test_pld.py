@@ -200,10 +200,10 @@ def test_the_report_times_the_arms_round_robin_where_they_were_timed_so(tmp_path
         in report
     )
     assert f"{pld_row} 1.5 s | 2.00x | 75 ms | 0.75 | 3.25 |" in report
-    # The second seed, against the seed-0 baseline's target (5.0).
+    # The second seed: best losses, and PLD's gap to PostLN within each seed.
     assert "| arm | lr | seed 0 | seed 1 |" in report
-    assert "| PostLN | 0.001 | 30 / 5.0000 | - / 5.1000 |" in report
-    assert "| PreLN + PLD, gamma 100/T | 0.002 | 20 / 4.9000 | 30 / 4.9500 |" in report
+    assert "| PostLN | 0.001 | 5.0000 | 5.1000 |" in report
+    assert "| PreLN + PLD, gamma 100/T | 0.002 | 4.9000 (-0.1000) | 4.9500 (-0.1500) |" in report
 
 
 def test_the_smallest_study_runs_through_the_sweep_and_report(tmp_path, study_data_dir):
