@@ -2,6 +2,7 @@
 
   python benchmarks/layer_schemes.py [--steps 240] [--scheme-steps 360] [--layers 8]
       [--dtype bfloat16|float32] [--timing-rounds 20] [--workdir DIR] [--report-only]
+  python benchmarks/layer_schemes.py --sweep DIR [--timing-rounds 20]
 
 Trains one PreLN BERT (hidden 128, 2 heads, MLP 512, `--layers` layers run unrolled,
 computing in `--dtype` (the model's default, bfloat16) with float32 parameters, sequence
@@ -30,18 +31,30 @@ round: the time the baseline needs to reach each scheme's final loss (evaluation
 `--eval-every` steps on the same held-out batches); and, for reference, each run's logged
 wall-clock training time. `--report-only` prints the tables again from the runs in
 `--workdir` (the step times are measured again).
+
+`--sweep DIR` trains nothing: it times the arms of the study sweep in DIR (e.g.
+configs/studies/pld.py's PostLN, PreLN and PreLN + PLD) the same way, round-robin, each
+built from its first trial's config as `lambjax.main` builds it, and writes
+DIR/step_times.json for the study's report (lambjax.sweep.curves.step_times), so that the
+step-time ratio does not depend on the load each trial happened to run at.
 """
 
 import argparse
+import datetime
+import json
 import os
 import tempfile
 import time
 
 import jax
 import numpy as np
+from absl import flags
+from etils import epath
+from ml_collections import config_flags
 
-from lambjax import data, host_memory
+from lambjax import data, host_memory, storage
 from lambjax.models import bert
+from lambjax.sweep import curves, runner, spec
 from lambjax.train import config as config_lib
 from lambjax.train import phases, plan, trainer, variants
 from lambjax.train.metrics import read_jsonl
@@ -147,6 +160,58 @@ def step_seconds(schemes: dict, rounds: int) -> dict[tuple[str, str], float]:
     return {key: float(np.median(seconds)) for key, seconds in times.items()}
 
 
+def sweep_arms(directory: str) -> dict:
+    """arm (curves.arm_of) -> the config of the arm's first trial in the sweep in
+    `directory`: the sweep's config file and flags, then the trial's overrides."""
+    state = json.loads((epath.Path(directory) / runner.SWEEP_FILE).read_text())
+    arms = {}
+    for name, trial in state["trials"].items():
+        arm = curves.arm_of(trial["labels"]) if trial.get("labels") else name
+        if arm not in arms:
+            overrides = spec.Trial(name, trial["overrides"]).flags()
+            arms[arm] = trial_config(state["config"], [*state["flags"], *overrides])
+    return arms
+
+
+def trial_config(config_spec: str, overrides: list[str]):
+    """The config `lambjax.main --config=SPEC OVERRIDES...` trains."""
+    argv = ["layer_schemes", f"--config={config_spec}", *overrides]
+    values = flags.FlagValues()
+    config_flags.DEFINE_config_file("config", None, "", flag_values=values, sys_argv=argv)
+    values(argv)
+    return values.config
+
+
+def time_sweep(directory: str, rounds: int) -> None:
+    """Times the arms of the sweep in `directory` round-robin; writes step_times.json."""
+    arms = sweep_arms(directory)
+    load_before = os.getloadavg()
+    seconds = step_seconds(arms, rounds)
+    load_after = os.getloadavg()
+    by_arm = {}
+    for (arm, phase), value in seconds.items():
+        single = len(arms[arm].phase_order) == 1
+        by_arm[arm if single else f"{arm},phase={phase}"] = value
+    result = {
+        "step_time_s": by_arm,
+        "rounds": rounds,
+        "method": "one step of each arm in turn, in one process; the median of the rounds",
+        "load_average": [load_before[0], load_after[0]],
+        "date": datetime.date.today().isoformat(),
+    }
+    storage.write_text(epath.Path(directory) / curves.STEP_TIMES_FILE, json.dumps(result, indent=2))
+    baseline = next(iter(by_arm.values()))
+    print(
+        f"\nstep times, {rounds} rounds round-robin; load average {load_before[0]:.1f} "
+        f"before, {load_after[0]:.1f} after\n"
+    )
+    print("| arm | step time (ms) | vs the first arm |")
+    print("|---|---:|---:|")
+    for arm, value in by_arm.items():
+        print(f"| {arm} | {1000 * value:.1f} | {value / baseline:.2f}x |")
+    print(f"\nwritten: {directory}/{curves.STEP_TIMES_FILE}")
+
+
 def seconds_per_step(config, phase_seconds: dict[str, float]) -> list[float]:
     """The step time of every optimizer step of a run, by the phase it belongs to."""
     return [
@@ -182,12 +247,19 @@ def main():
     parser.add_argument("--timing-rounds", type=int, default=20)
     parser.add_argument("--workdir", default=None, help="default: a temporary directory")
     parser.add_argument(
+        "--sweep",
+        default=None,
+        help="time the arms of the study sweep in this directory; train nothing",
+    )
+    parser.add_argument(
         "--report-only",
         action="store_true",
         help="print the tables of the runs already in --workdir (same flags), train nothing",
     )
     args = parser.parse_args()
     host_memory.retain_freed_memory()  # before JAX starts, as lambjax.main does on CPU
+    if args.sweep:
+        return time_sweep(args.sweep, args.timing_rounds)
     root = args.workdir or tempfile.mkdtemp(prefix="layer_schemes_")
     data_dir = os.path.join(root, "datasets")
     results = {}

@@ -6,8 +6,14 @@ interval). Training time adds up the trial's logged step times (`train/step_time
 the mean of its log window) to that step: compiling and evaluating are not counted, and the
 first window, which holds the compilation and has no step time, is counted at the next
 window's rate.
+
+Trials that ran side by side, or at different times, logged their step times at whatever
+load the machine had then; `benchmarks/layer_schemes.py --sweep DIR` times one step of each
+arm in turn in one process instead and writes DIR/step_times.json, which `step_times` reads
+(arms named by `arm_of`).
 """
 
+import json
 import math
 import statistics
 from collections.abc import Iterator
@@ -17,6 +23,9 @@ from etils import epath
 from lambjax.train.metrics import read_jsonl
 
 LOSS, STEP_TIME = "eval/mlm_loss", "train/step_time_s"
+STEP_TIMES_FILE = "step_times.json"
+# Labels that leave the cost of a step alone: trials that differ only in them are one arm.
+COST_FREE_LABELS = ("lr", "seed")
 
 
 def records(workdir: str) -> list[tuple[int, dict]]:
@@ -83,3 +92,20 @@ def time_at(times: dict, step: int) -> float:
     following = min(after)
     rate = (times[following] - base) / (following - base_step)
     return base + (step - base_step) * rate
+
+
+def arm_of(labels: dict) -> str:
+    """The arm a labelled trial belongs to, for step times: its labels but the cost-free."""
+    return ",".join(f"{k}={v}" for k, v in labels.items() if k not in COST_FREE_LABELS)
+
+
+def step_times(directory: str) -> dict | None:
+    """DIR/step_times.json, the step time of each arm timed round-robin (`arm` -> seconds
+    under "step_time_s", with "rounds" and "load_average"), or None where it was not run."""
+    path = epath.Path(directory) / STEP_TIMES_FILE
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+def uniform_times(times: dict, step_time: float) -> dict:
+    """Log step -> training seconds at one step time (in place of the logged ones)."""
+    return {step: step * step_time for step in times}

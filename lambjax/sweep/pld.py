@@ -12,9 +12,14 @@ reads them by a rule fixed before the runs:
             held-out loss);
   PreLN     PreLN alone at each PLD arm's learning rate, and at its own best.
 
-Steps and training time to the target are read as lambjax.sweep.curves reads them
-(compiling and evaluating not counted); the step time of a trial is the median of its
-logged step times.
+Steps to the target are read as lambjax.sweep.curves reads them. The step time of an arm is
+its round-robin time where DIR/step_times.json exists (`benchmarks/layer_schemes.py --sweep
+DIR`: one step of each arm in turn in one process, so every arm sees the same load), and the
+training time to the target is then the steps times it; without that file, the trial's
+median logged step time and its logged step times added up (compiling and evaluating not
+counted either way). The report says which it used. Trials repeated with another seed get a
+table of their own: best loss per seed and its gap to the repeated PostLN trial of that seed
+(the held-out split is masked by the run's seed, so losses compare within a seed).
 
 Written into DIR: the study's section of report.md, pld_loss_vs_steps.png and
 pld_loss_vs_time.png (held-out loss of the chosen trials against steps and training time,
@@ -33,20 +38,24 @@ LAYERS_RUN = "train/pld_layers_run"
 COLORS = {"postln": "tab:red", "preln": "tab:blue", "pld": "tab:green"}
 
 
-def points(directory: str, trials: dict) -> list[dict]:
-    """One record per labelled trial: labels, curve, best and final loss, step times."""
+def points(directory: str, trials: dict, timed: dict | None = None) -> list[dict]:
+    """One record per labelled trial: labels, curve, best and final loss, step times (the
+    round-robin ones of `timed`, curves.step_times, where it has the trial's arm)."""
     result = []
     for name, trial, run in curves.labelled(directory, trials):
         layers_run = [r[LAYERS_RUN] for _, r in run["records"] if LAYERS_RUN in r]
-        result.append(
-            {
-                **trial["labels"],
-                "name": name,
-                **{key: run[key] for key in ("curve", "times", "best", "final", "step_time")},
-                "layers_run": statistics.mean(layers_run) if layers_run else None,
-                "status": trial.get("status", ""),
-            }
-        )
+        point = {
+            **trial["labels"],
+            "name": name,
+            **{key: run[key] for key in ("curve", "times", "best", "final", "step_time")},
+            "layers_run": statistics.mean(layers_run) if layers_run else None,
+            "status": trial.get("status", ""),
+        }
+        arm = curves.arm_of(trial["labels"])
+        if timed and arm in timed["step_time_s"]:
+            point["step_time"] = timed["step_time_s"][arm]
+            point["times"] = curves.uniform_times(run["times"], point["step_time"])
+        result.append(point)
     return result
 
 
@@ -147,9 +156,55 @@ def grid_table(grid: list[dict], target: float, study: dict) -> str:
     return "\n".join(lines)
 
 
+def seed_table(every: list[dict]) -> str | None:
+    """The trials run at more than one seed: best held-out loss per seed, and its gap to
+    the repeated PostLN trial of the same seed. The held-out split is masked by the run's
+    seed, so losses compare within a seed, not across seeds."""
+    groups = {}
+    for p in every:
+        groups.setdefault((p["arm"], p.get("gamma"), p["lr"]), {})[p["seed"]] = p
+    repeated = {key: by_seed for key, by_seed in groups.items() if len(by_seed) > 1}
+    if not repeated:
+        return None
+    seeds = sorted({seed for by_seed in repeated.values() for seed in by_seed})
+    postln = next((by_seed for (arm, _, _), by_seed in repeated.items() if arm == "postln"), {})
+    header = ["arm", "lr", *(f"seed {seed}" for seed in seeds)]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for (arm, gamma, lr), by_seed in repeated.items():
+        cells = []
+        for seed in seeds:
+            p, base = by_seed.get(seed), postln.get(seed)
+            if p is None:
+                cells.append("")
+            elif not p["curve"]:
+                cells.append(f"({p['status'] or 'not run'})")
+            elif arm == "postln" or base is None or not math.isfinite(base["best"]):
+                cells.append(number(p["best"], ".4f"))
+            else:
+                cells.append(f"{number(p['best'], '.4f')} ({p['best'] - base['best']:+.4f})")
+        lines.append(f"| {arm_name(arm, gamma)} | {lr:g} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def timing_note(timed: dict | None) -> str:
+    """Where the step times come from."""
+    if timed is None:
+        return (
+            "Times: the trials' logged step times added up to the step (no compilation, no "
+            "evaluation), at whatever load each trial ran; step time: the median logged step."
+        )
+    low, high = sorted(timed["load_average"])
+    return (
+        f"Times: each arm's step time timed round-robin ({timed['rounds']} rounds of one "
+        f"step of each arm in one process, the median; load average {low:.1f}-{high:.1f}; "
+        f"{curves.STEP_TIMES_FILE}), times the steps; PLD's at theta_bar."
+    )
+
+
 def study_report(directory: str, trials: dict, study: dict) -> str:
     """The study's Markdown section; writes its plots into `directory`."""
-    every = points(directory, trials)
+    timed = curves.step_times(directory)
+    every = points(directory, trials, timed)
     grid = [p for p in every if p["seed"] == 0]
     base = baseline(grid)
     lines = ["## PLD against the PostLN baseline: steps and time to its best held-out loss", ""]
@@ -161,9 +216,8 @@ def study_report(directory: str, trials: dict, study: dict) -> str:
         f"Target: the PostLN baseline's best held-out MLM loss, {target:.4f} (its lr "
         f"{base['lr']:g}, the lowest of its grid). PLD: theta_bar {study['theta_bar']}, "
         f"DeepSpeed's depth rule; every trial {study['num_steps']:,} steps. `-` = target "
-        "not reached. Times: the trials' logged step times added up to the step "
-        "(no compilation, no evaluation); step time: the median logged step; layers run: "
-        "the mean over the logged steps.",
+        f"not reached. {timing_note(timed)} Layers run: the trial's mean over its logged "
+        "steps.",
         "",
         comparison_table(base, rows, target),
         "",
@@ -175,6 +229,15 @@ def study_report(directory: str, trials: dict, study: dict) -> str:
         grid_table(grid, target, study),
         "",
     ]
+    seeds = seed_table(every)
+    if seeds:
+        lines += [
+            "Repeated with another seed: best held-out loss (and its gap to PostLN of the "
+            "same seed; the held-out masking follows the seed, so compare within a column):",
+            "",
+            seeds,
+            "",
+        ]
     chosen = [("PostLN baseline", base), *rows]
     gammas = list(study["gammas"])
     plot_curves(directory, chosen, target, gammas)
