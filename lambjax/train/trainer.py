@@ -26,6 +26,10 @@ from lambjax.train import workdir as workdir_lib
 from lambjax.train.phases import Phase
 from lambjax.train.plan import RunPlan
 
+# The held-out split is masked with this seed whatever the run's seed, so every run (and every
+# seed of a study) is evaluated on the same masked positions and their losses compare.
+HELD_OUT_SEED = 0
+
 
 class TrainingStopped(RuntimeError):
     """The run cannot go on (e.g. too many consecutive non-finite steps)."""
@@ -197,7 +201,7 @@ class PhaseLoop:
             logging.warning("Phase %s: no validation split was built; no evaluation.", phase.name)
             return {}
         totals = None
-        batches = phase.batches("validation", run.eval_batch_size, run.seed, num_epochs=1)
+        batches = phase.batches("validation", run.eval_batch_size, HELD_OUT_SEED, num_epochs=1)
         for index, batch in enumerate(batches):
             if run.eval_steps and index >= run.eval_steps:
                 break
