@@ -125,6 +125,8 @@ def get_config(arg=None):
         ),
     )
     config.mesh.data = -1
+    # K = 1 shards the held-out batches over every device too: one batch of the training size.
+    config.eval_batch_size = study["batch_size"]
     config.log_every_steps = study["log_every_steps"]
     config.eval_every_steps = study["num_steps"] // study["evals_per_trial"]
     return config
