@@ -119,6 +119,7 @@ def write_report(directory: str) -> str:
 STUDY_REPORTS = {
     "batch_scaling": "lambjax.sweep.batch_scaling",
     "chunked_accumulation": "lambjax.sweep.chunked_accumulation",
+    "ouroboros": "lambjax.sweep.ouroboros",
     "pld": "lambjax.sweep.pld",
 }
 
