@@ -90,7 +90,9 @@ def comparison_table(grid: list[dict], base: dict, tolerance: dict) -> str:
             gap = p[key] - base[key]
             cells += [number(p[key], ".4f"), number(gap, "+.4f")]
             cells.append("baseline" if p is base else verdict(gap, tolerance[key]))
-        cells.append(number(1000 * p["step_time"], ".0f") + " ms")
+        cells.append(
+            number(1000 * p["step_time"], ".0f") + (" ms" if math.isfinite(p["step_time"]) else "")
+        )
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
