@@ -120,6 +120,7 @@ STUDY_REPORTS = {
     "batch_scaling": "lambjax.sweep.batch_scaling",
     "chunked_accumulation": "lambjax.sweep.chunked_accumulation",
     "mslt": "lambjax.sweep.mslt",
+    "ouroboros": "lambjax.sweep.ouroboros",
     "pld": "lambjax.sweep.pld",
     "standardization_loss": "lambjax.sweep.standardization_loss",
 }
