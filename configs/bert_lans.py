@@ -37,6 +37,9 @@ def get_config(arg=None):
     size, names = variants.parse_arg(arg, sizes=("base", "large"))
     config = config_lib.pod_config(size or "base")
     config.optimizer = config_lib.optimizer_config("lans")
+    # Evaluation batches of 1,536 divide over the paper's 1,536 GPUs and every power-of-two
+    # pod up to 512 devices (the pods' default, 1,024, does not divide over 1,536).
+    config.eval_batch_size = 1536
     # Each device computes micro-batches of 64 sequences of 128 tokens (phase 1) and 11 of 512
     # (phase 2); the gradient accumulation follows from the device count: on 256 devices 6
     # and 12 micro-batches per step, on the paper's 1,536 GPUs 1 and 2.

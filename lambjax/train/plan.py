@@ -267,13 +267,20 @@ def _phase(
             f"{where}.max_seq_length={phase.max_seq_length} exceeds the model's "
             f"max_position_embeddings={model.max_position_embeddings}"
         )
+    batch = _batch_geometry(phase, mesh, where, process_count)
+    if config.eval_batch_size % batch.data_parallel:
+        raise ConfigError(
+            f"config.eval_batch_size={config.eval_batch_size} does not divide over phase "
+            f"{name!r}'s {batch.data_parallel} data-parallel devices (mesh data x fsdp); "
+            f"valid: multiples of {batch.data_parallel}"
+        )
     drop = config.layer_drop
     return PhasePlan(
         name=name,
         index=index,
         step_offset=step_offset,
         num_steps=phase.num_steps,
-        batch=_batch_geometry(phase, mesh, where, process_count),
+        batch=batch,
         model=model,
         optimizer=optimizer,
         schedule=_schedule(phase, schedule_span),

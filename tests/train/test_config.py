@@ -276,6 +276,17 @@ def test_bad_top_level_configs_name_the_value():
     with pytest.raises(config_lib.ConfigError, match="optimizer_state='keep' needs the same"):
         validate(config, num_devices=8)
 
+    config = default()  # training batches of 48 divide over 3 devices; evaluation's 32 do not
+    config.phases.phase1.global_batch_size = 48
+    config.phases.phase2.global_batch_size = 48
+    config.eval_batch_size = 32
+    with pytest.raises(
+        config_lib.ConfigError,
+        match=r"config.eval_batch_size=32 does not divide over phase 'phase1''s 3 data-parallel "
+        r"devices \(mesh data x fsdp\); valid: multiples of 3",
+    ):
+        validate(config, num_devices=3)
+
     with pytest.raises(config_lib.ConfigError, match=r"argument 'huge': \['huge'\] not understood"):
         load(CONFIG_FILES[0], "huge")
 
