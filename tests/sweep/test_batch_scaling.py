@@ -139,25 +139,6 @@ def test_the_smallest_study_runs_through_the_sweep_and_report(tmp_path, study_da
     assert "| lamb | tuned |" not in report  # the smoke study tunes AdamW only
 
 
-def test_an_unknown_size_ends_with_one_line(tmp_path):
-    result = run(
-        [
-            sys.executable,
-            "-m",
-            "lambjax.sweep",
-            f"--config={CONFIG}:huge",
-            f"--workdir={tmp_path}/x",
-        ],
-        1,
-        check=False,
-    )
-    assert result.returncode == 2
-    assert result.stderr.strip().splitlines()[-1] == (
-        f"lambjax.sweep: error: --config={CONFIG}:huge: size 'huge'; valid: cpu, base, large, smoke"
-    )
-    assert not (tmp_path / "x").exists()
-
-
 def test_a_labelled_trial_is_named_by_its_labels():
     config = config_lib.base_config()
     trials = spec.trials(

@@ -148,22 +148,3 @@ def test_the_smallest_study_runs_through_the_sweep_and_report(tmp_path, study_da
     verdict = ouroboros.verdict(gap, abs(noise - base))
     row = f"| K = 4, current, 2 synchronous steps first | {finals[warm]:.4f} | {gap:+.4f} | "
     assert row + f"{verdict} |" in report
-
-
-def test_an_unknown_size_ends_with_one_line(tmp_path):
-    result = run(
-        [
-            sys.executable,
-            "-m",
-            "lambjax.sweep",
-            f"--config={CONFIG}:huge",
-            f"--workdir={tmp_path}/x",
-        ],
-        1,
-        check=False,
-    )
-    assert result.returncode == 2
-    assert result.stderr.strip().splitlines()[-1] == (
-        f"lambjax.sweep: error: --config={CONFIG}:huge: size 'huge'; valid: cpu, base, smoke"
-    )
-    assert not (tmp_path / "x").exists()

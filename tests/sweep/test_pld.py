@@ -250,22 +250,3 @@ def test_the_smallest_study_runs_through_the_sweep_and_report(tmp_path, study_da
     assert f"| PreLN + PLD, gamma 100/T, best lr | 0.002 | {reached} |" in report
     assert "the median logged step" in report  # no step_times.json here
     assert f"{best:.4f} | {evals[pld_name][-1][1]:.4f} |" in report
-
-
-def test_an_unknown_size_ends_with_one_line(tmp_path):
-    result = run(
-        [
-            sys.executable,
-            "-m",
-            "lambjax.sweep",
-            f"--config={CONFIG}:huge",
-            f"--workdir={tmp_path}/x",
-        ],
-        1,
-        check=False,
-    )
-    assert result.returncode == 2
-    assert result.stderr.strip().splitlines()[-1] == (
-        f"lambjax.sweep: error: --config={CONFIG}:huge: size 'huge'; valid: cpu, base, smoke"
-    )
-    assert not (tmp_path / "x").exists()

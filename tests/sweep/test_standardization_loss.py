@@ -164,22 +164,3 @@ def test_the_smallest_study_runs_through_the_sweep_and_report(tmp_path, study_da
     assert f"| std loss, pre-activations | 0.01 | {reached} |" in report
     assert f"| {first:.0f} -> {last:.0f} |" in report
     assert not std_losses["optimizer=adamw,arm=none,weight=0.0,seed=0"]
-
-
-def test_an_unknown_size_ends_with_one_line(tmp_path):
-    result = run(
-        [
-            sys.executable,
-            "-m",
-            "lambjax.sweep",
-            f"--config={CONFIG}:huge",
-            f"--workdir={tmp_path}/x",
-        ],
-        1,
-        check=False,
-    )
-    assert result.returncode == 2
-    assert result.stderr.strip().splitlines()[-1] == (
-        f"lambjax.sweep: error: --config={CONFIG}:huge: size 'huge'; valid: cpu, base, smoke"
-    )
-    assert not (tmp_path / "x").exists()

@@ -102,6 +102,29 @@ def test_the_studies_smallest_forms_share_one_dataset():
     assert {name: form == first for name, form in forms.items()} == dict.fromkeys(forms, True)
 
 
+STUDIES = sorted(glob.glob(os.path.join(REPO, "configs", "studies", "*.py")))
+
+
+@pytest.mark.parametrize("path", STUDIES, ids=os.path.basename)
+def test_a_study_names_its_sizes_when_given_another(path):
+    module = cli.load_module(path)[0]
+    valid = ", ".join(module.SIZES)
+    for function in (module.get_config, module.get_sweep, module.get_study):
+        with pytest.raises(ValueError, match=f"^size 'huge'; valid: {valid}$"):
+            function("huge")
+
+
+def test_an_unknown_study_size_ends_the_command_with_one_line(tmp_path):
+    config = "configs/studies/pld.py"
+    command = [sys.executable, "-m", "lambjax.sweep", f"--config={config}:huge"]
+    result = run([*command, f"--workdir={tmp_path}/x"], 1, check=False)
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines()[-1] == (
+        f"lambjax.sweep: error: --config={config}:huge: size 'huge'; valid: cpu, base, smoke"
+    )
+    assert not (tmp_path / "x").exists()
+
+
 @pytest.mark.parametrize(
     "arg, message",
     [
