@@ -2,10 +2,8 @@
 its grid keeps the sample budget and the square-root rule, its report picks the arms by the
 rule it states, and its smallest form runs through `python -m lambjax.sweep` and `report`."""
 
-import json
 import math
 import os
-import sys
 
 import pytest
 
@@ -14,7 +12,7 @@ from lambjax.sweep import batch_scaling, spec
 from lambjax.train import config as config_lib
 from lambjax.train import plan
 from lambjax.train.metrics import read_jsonl
-from tests.helpers import REPO, run
+from tests.helpers import REPO, run_study
 
 CONFIG = "configs/studies/batch_scaling.py"
 LOSS = "eval/mlm_loss"
@@ -100,30 +98,15 @@ def test_the_arms_follow_the_rule_fixed_before_the_runs():
 
 def test_the_smallest_study_runs_through_the_sweep_and_report(tmp_path, study_data_dir):
     workdir = tmp_path / "study"
-    command = [
-        "-m",
-        "lambjax.sweep",
-        f"--config={CONFIG}:smoke",
-        f"--workdir={workdir}",
-        f"--config.data.data_dir={study_data_dir}",
-        "--parallel=2",
-    ]
-    run([sys.executable, *command], 1)
-    state = json.loads((workdir / "sweep.json").read_text())
-    module = study_module()
-    assert state["study"] == module.get_study("smoke")
-    assert {t["status"] for t in state["trials"].values()} == {"finished"}
+    state, report = run_study(CONFIG, workdir, study_data_dir)
     assert sorted(state["trials"]) == sorted(
         f"optimizer={o},batch={b},lr_x=1.0,seed=0" for o in ("lamb", "adamw") for b in (8, 16)
     )
-    result = run([sys.executable, "-m", "lambjax.sweep", "report", str(workdir)], 1)
-    report = (workdir / "report.md").read_text()
     assert "## Batch scaling: steps to the target against batch size" in report
-    assert report.split("\n", 2)[2].strip() in result.stdout
     for name in ("steps_to_target.png", "final_loss.png", "learning_rates.png"):
         assert (workdir / name).stat().st_size > 1000
     # Each cell is that trial's first eval at or below the target, and its last eval loss.
-    target = module.SIZES["smoke"]["target_loss"]
+    target = study_module().SIZES["smoke"]["target_loss"]
     for optimizer in ("lamb", "adamw"):
         cells = []
         for batch in (8, 16):

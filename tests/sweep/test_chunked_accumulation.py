@@ -5,7 +5,6 @@ them, the report applies the rule it states, and its smallest form runs through
 
 import json
 import os
-import sys
 
 import pytest
 
@@ -13,7 +12,7 @@ from lambjax import cli, precision
 from lambjax.sweep import chunked_accumulation, spec
 from lambjax.train import config as config_lib
 from lambjax.train import plan
-from tests.helpers import REPO, run
+from tests.helpers import REPO, run_study
 
 CONFIG = "configs/studies/chunked_accumulation.py"
 
@@ -105,23 +104,9 @@ def test_the_verdict_follows_the_rule_fixed_before_the_runs(naive, chunked, expe
 
 def test_the_smallest_study_runs_through_the_sweep_and_report(tmp_path, study_data_dir):
     workdir = tmp_path / "study"
-    command = [
-        "-m",
-        "lambjax.sweep",
-        f"--config={CONFIG}:smoke",
-        f"--workdir={workdir}",
-        f"--config.data.data_dir={study_data_dir}",
-        "--parallel=2",
-    ]
-    run([sys.executable, *command], 1, timeout=1500)  # the emulation compiles slowly
-    state = json.loads((workdir / "sweep.json").read_text())
-    module = study_module()
-    assert state["study"] == json.loads(json.dumps(module.get_study("smoke")))
-    assert {t["status"] for t in state["trials"].values()} == {"finished"}
-    result = run([sys.executable, "-m", "lambjax.sweep", "report", str(workdir)], 1)
-    report = (workdir / "report.md").read_text()
+    # The emulated accumulation compiles slowly.
+    _, report = run_study(CONFIG, workdir, study_data_dir, timeout=1500)
     assert "## Chunked accumulation" in report
-    assert report.split("\n", 2)[2].strip() in result.stdout
     for name in ("training_curves.png", "variance_retention.png"):
         assert (workdir / name).stat().st_size > 1000
     # Every arm's row holds its last held-out loss, and the gap to float32 beside it.
@@ -132,7 +117,7 @@ def test_the_smallest_study_runs_through_the_sweep_and_report(tmp_path, study_da
         losses[arm] = [r["eval/mlm_loss"] for r in evals if "eval/mlm_loss" in r][-1]
     for arm, loss in losses.items():
         gap = f"{loss - losses['float32']:+.4f}"
-        assert f"| {arm} | 0 | `{module.ARMS[arm]}` | {loss:.4f} | {gap} |" in report
+        assert f"| {arm} | 0 | `{study_module().ARMS[arm]}` | {loss:.4f} | {gap} |" in report
     assert chunked_accumulation.verdict.__name__  # the rule's line is one of its three
     assert "Not every seed-0 arm" not in report
     # The variance sweep: both widths, each with measured and predicted ratios; 9 mantissa

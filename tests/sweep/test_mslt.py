@@ -2,10 +2,8 @@
 its question names, its report picks the baseline and the arms by the rule it states, and
 its smallest form runs through `python -m lambjax.sweep` and `report`."""
 
-import json
 import math
 import os
-import sys
 
 import pytest
 
@@ -13,7 +11,7 @@ from lambjax import cli
 from lambjax.sweep import mslt, spec
 from lambjax.train import plan
 from lambjax.train.metrics import read_jsonl
-from tests.helpers import REPO, run
+from tests.helpers import REPO, run_study
 
 CONFIG = "configs/studies/mslt.py"
 
@@ -130,24 +128,10 @@ def test_the_report_takes_the_baseline_and_the_arms_by_its_rule():
 
 def test_the_smallest_study_runs_through_the_sweep_and_report(tmp_path, study_data_dir):
     workdir = tmp_path / "study"
-    command = [
-        "-m",
-        "lambjax.sweep",
-        f"--config={CONFIG}:smoke",
-        f"--workdir={workdir}",
-        f"--config.data.data_dir={study_data_dir}",
-        "--parallel=2",
-    ]
-    run([sys.executable, *command], 1, timeout=1200)  # the baseline and the decoder arm
-    state = json.loads((workdir / "sweep.json").read_text())
-    assert state["study"] == study_module().get_study("smoke")
-    assert {t["status"] for t in state["trials"].values()} == {"finished"}
+    state, report = run_study(CONFIG, workdir, study_data_dir)  # the baseline and the decoder arm
     baseline, decoder = "arm=baseline,lr=0.01,seed=0", "arm=decoder,lr=0.01,seed=0"
     assert sorted(state["trials"]) == [baseline, decoder]
-    result = run([sys.executable, "-m", "lambjax.sweep", "report", str(workdir)], 1)
-    report = (workdir / "report.md").read_text()
     assert "## MSLT's design choices" in report
-    assert report.split("\n", 2)[2].strip() in result.stdout
     for name in ("mslt_loss_vs_steps.png", "mslt_loss_vs_time.png"):
         assert (workdir / name).stat().st_size > 1000
     evals = {}

@@ -3,10 +3,8 @@ are the arms the accuracy claim needs on one set of devices, its report applies 
 tolerance rule it states, and its smallest form runs through `python -m lambjax.sweep` and
 `report`."""
 
-import json
 import math
 import os
-import sys
 
 import pytest
 
@@ -14,7 +12,7 @@ from lambjax import cli
 from lambjax.sweep import ouroboros, spec
 from lambjax.train import plan
 from lambjax.train.metrics import read_jsonl
-from tests.helpers import REPO, run
+from tests.helpers import REPO, run_study
 
 CONFIG = "configs/studies/ouroboros.py"
 
@@ -111,26 +109,12 @@ def test_the_report_reads_each_arm_against_the_k1_seed_gap():
 
 def test_the_smallest_study_runs_through_the_sweep_and_report(tmp_path, study_data_dir):
     workdir = tmp_path / "study"
-    command = [
-        "-m",
-        "lambjax.sweep",
-        f"--config={CONFIG}:smoke",
-        f"--workdir={workdir}",
-        f"--config.data.data_dir={study_data_dir}",
-        "--parallel=2",
-    ]
-    run([sys.executable, *command], 3, timeout=1200)
-    state = json.loads((workdir / "sweep.json").read_text())
-    assert state["study"] == study_module().get_study("smoke")
-    assert {t["status"] for t in state["trials"].values()} == {"finished"}
+    state, report = run_study(CONFIG, workdir, study_data_dir, devices=3)
     warm = "modules=4,replay=current,warmup=2,seed=0"
     assert sorted(state["trials"]) == sorted(
         ["modules=1,replay=none,warmup=0,seed=0", warm, "modules=1,replay=none,warmup=0,seed=1"]
     )
-    result = run([sys.executable, "-m", "lambjax.sweep", "report", str(workdir)], 1)
-    report = (workdir / "report.md").read_text()
     assert "## Ouroboros against ordinary backpropagation" in report
-    assert report.split("\n", 2)[2].strip() in result.stdout
     assert (workdir / "ouroboros_loss_vs_steps.png").stat().st_size > 1000
     # The numbers are the trials' own: the warm-up arm's final loss and its gap.
     finals = {}

@@ -6,7 +6,6 @@ smallest form runs through `python -m lambjax.sweep` and `report`."""
 import json
 import math
 import os
-import sys
 
 import pytest
 
@@ -14,7 +13,7 @@ from lambjax import cli
 from lambjax.sweep import pld, spec
 from lambjax.train import plan
 from lambjax.train.metrics import read_jsonl
-from tests.helpers import REPO, run
+from tests.helpers import REPO, run_study
 
 CONFIG = "configs/studies/pld.py"
 
@@ -208,19 +207,7 @@ def test_the_report_times_the_arms_round_robin_where_they_were_timed_so(tmp_path
 
 def test_the_smallest_study_runs_through_the_sweep_and_report(tmp_path, study_data_dir):
     workdir = tmp_path / "study"
-    command = [
-        "-m",
-        "lambjax.sweep",
-        f"--config={CONFIG}:smoke",
-        f"--workdir={workdir}",
-        f"--config.data.data_dir={study_data_dir}",
-        "--parallel=2",
-    ]
-    run([sys.executable, *command], 1, timeout=1200)  # 3 trials, one of them compiles PLD
-    state = json.loads((workdir / "sweep.json").read_text())
-    module = study_module()
-    assert state["study"] == module.get_study("smoke")
-    assert {t["status"] for t in state["trials"].values()} == {"finished"}
+    state, report = run_study(CONFIG, workdir, study_data_dir)  # 3 trials, one of them compiles PLD
     assert sorted(state["trials"]) == sorted(
         [
             "arm=postln,lr=0.001,seed=0",
@@ -228,10 +215,7 @@ def test_the_smallest_study_runs_through_the_sweep_and_report(tmp_path, study_da
             "arm=preln,lr=0.002,seed=0",
         ]
     )
-    result = run([sys.executable, "-m", "lambjax.sweep", "report", str(workdir)], 1)
-    report = (workdir / "report.md").read_text()
     assert "## PLD against the PostLN baseline" in report
-    assert report.split("\n", 2)[2].strip() in result.stdout
     for name in ("pld_loss_vs_steps.png", "pld_loss_vs_time.png", "pld_learning_rates.png"):
         assert (workdir / name).stat().st_size > 1000
     # The target is the PostLN trial's best held-out loss, read here from its metrics.

@@ -3,10 +3,8 @@ lambjax.sweep.standardization_loss): its trials are the arms the question needs,
 picks each site's weight and reads the targets by the rule it states, and its smallest form
 runs through `python -m lambjax.sweep` and `report`."""
 
-import json
 import math
 import os
-import sys
 
 import pytest
 
@@ -15,7 +13,7 @@ from lambjax.sweep import spec
 from lambjax.sweep import standardization_loss as report_lib
 from lambjax.train import plan
 from lambjax.train.metrics import read_jsonl
-from tests.helpers import REPO, run
+from tests.helpers import REPO, run_study
 
 CONFIG = "configs/studies/standardization_loss.py"
 
@@ -121,18 +119,7 @@ def test_the_report_takes_the_targets_and_each_sites_weight_by_its_rule():
 
 def test_the_smallest_study_runs_through_the_sweep_and_report(tmp_path, study_data_dir):
     workdir = tmp_path / "study"
-    command = [
-        "-m",
-        "lambjax.sweep",
-        f"--config={CONFIG}:smoke",
-        f"--workdir={workdir}",
-        f"--config.data.data_dir={study_data_dir}",
-        "--parallel=2",
-    ]
-    run([sys.executable, *command], 1, timeout=1200)
-    state = json.loads((workdir / "sweep.json").read_text())
-    assert state["study"] == study_module().get_study("smoke")
-    assert {t["status"] for t in state["trials"].values()} == {"finished"}
+    state, report = run_study(CONFIG, workdir, study_data_dir)
     assert sorted(state["trials"]) == sorted(
         f"optimizer=adamw,arm={arm},weight={weight},seed=0"
         for arm, weight in [
@@ -142,10 +129,7 @@ def test_the_smallest_study_runs_through_the_sweep_and_report(tmp_path, study_da
             ("preactivation", "0.01"),
         ]
     )
-    result = run([sys.executable, "-m", "lambjax.sweep", "report", str(workdir)], 1)
-    report = (workdir / "report.md").read_text()
     assert "## The standardization loss against LayerNorm" in report
-    assert report.split("\n", 2)[2].strip() in result.stdout
     for name in ("loss_vs_steps", "loss_vs_time"):
         assert (workdir / f"standardization_loss_{name}.png").stat().st_size > 1000
     evals, std_losses = {}, {}
