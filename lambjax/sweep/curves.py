@@ -109,3 +109,26 @@ def step_times(directory: str) -> dict | None:
 def uniform_times(times: dict, step_time: float) -> dict:
     """Log step -> training seconds at one step time (in place of the logged ones)."""
     return {step: step * step_time for step in times}
+
+
+def rank(point: dict, target: float) -> tuple:
+    """A report's order for choosing among trials: fewer steps to the target first, then
+    the lower best held-out loss (`point` holds a trial's `curve` and `best`)."""
+    steps = steps_to_target(point["curve"], target)
+    return (math.inf if steps is None else steps, point["best"])
+
+
+def number(value: float, spec: str, unit: str = "") -> str:
+    """`value` formatted, or `-` where it is not finite (no evaluation, or a divergence)."""
+    return f"{value:{spec}}{unit}" if math.isfinite(value) else "-"
+
+
+def grid_cell(point: dict | None, target: float) -> str:
+    """A grid table's cell: steps to the target / best held-out loss ('-' steps where it
+    is not reached), the trial's status where it has no evaluation, empty where absent."""
+    if point is None:
+        return ""
+    if not point["curve"]:
+        return f"({point['status'] or 'not run'})"
+    steps = steps_to_target(point["curve"], target)
+    return f"{'-' if steps is None else steps} / {number(point['best'], '.3f')}"

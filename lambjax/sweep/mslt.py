@@ -23,7 +23,7 @@ import math
 import statistics
 
 from lambjax.sweep import curves, plots
-from lambjax.sweep.curves import STEP_TIME, steps_to_target, time_at
+from lambjax.sweep.curves import STEP_TIME, number, rank, steps_to_target, time_at
 from lambjax.train.metrics import format_duration
 
 NAMES = {
@@ -58,12 +58,6 @@ def points(directory: str, trials: dict) -> list[dict]:
             }
         )
     return result
-
-
-def rank(point: dict, target: float) -> tuple:
-    """Fewer steps to the target first, then the lower best held-out loss."""
-    steps = steps_to_target(point["curve"], target)
-    return (math.inf if steps is None else steps, point["best"])
 
 
 def baseline(grid: list[dict]) -> dict | None:
@@ -108,11 +102,6 @@ def stage_step_time(point: dict, first: int, last: int) -> float:
 def loss_at(curve: list[tuple[int, float]], step: int) -> float:
     """The held-out loss evaluated at `step`; NaN where there is none."""
     return next((loss for s, loss in curve if s == step), math.nan)
-
-
-def number(value: float, spec: str, unit: str = "") -> str:
-    """`value` formatted, or `-` where it is not finite (no evaluation, or a divergence)."""
-    return f"{value:{spec}}{unit}" if math.isfinite(value) else "-"
 
 
 def comparison_table(base: dict, rows: list[dict], target: float, study: dict) -> str:

@@ -17,6 +17,7 @@ held-out loss of every trial against the step; the last half of the run on its o
 import math
 
 from lambjax.sweep import curves, plots
+from lambjax.sweep.curves import number
 from lambjax.train.metrics import format_duration
 
 VERDICTS = ("better", "comparable", "worse")
@@ -66,10 +67,6 @@ def arm_name(point: dict) -> str:
         return f"K = 1, seed {point['seed']}"
     warm = f", {point['warmup']} synchronous steps first" if point["warmup"] else ""
     return f"K = {point['modules']}, {point['replay']}{warm}"
-
-
-def number(value: float, spec: str) -> str:
-    return f"{value:{spec}}" if math.isfinite(value) else "-"
 
 
 def comparison_table(grid: list[dict], base: dict, tolerance: dict) -> str:

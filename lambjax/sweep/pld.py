@@ -31,7 +31,7 @@ import math
 import statistics
 
 from lambjax.sweep import curves, plots
-from lambjax.sweep.curves import steps_to_target, time_at
+from lambjax.sweep.curves import number, rank, steps_to_target, time_at
 from lambjax.train.metrics import format_duration
 
 LAYERS_RUN = "train/pld_layers_run"
@@ -57,12 +57,6 @@ def points(directory: str, trials: dict, timed: dict | None = None) -> list[dict
             point["times"] = curves.uniform_times(run["times"], point["step_time"])
         result.append(point)
     return result
-
-
-def rank(point: dict, target: float) -> tuple:
-    """Fewer steps to the target first, then the lower best held-out loss."""
-    steps = steps_to_target(point["curve"], target)
-    return (math.inf if steps is None else steps, point["best"])
 
 
 def baseline(grid: list[dict]) -> dict | None:
@@ -127,11 +121,6 @@ def comparison_table(base: dict, rows: list[tuple[str, dict]], target: float) ->
     return "\n".join(lines)
 
 
-def number(value: float, spec: str, unit: str = "") -> str:
-    """`value` formatted, or `-` where it is not finite (no evaluation, or a divergence)."""
-    return f"{value:{spec}}{unit}" if math.isfinite(value) else "-"
-
-
 def grid_table(grid: list[dict], target: float, study: dict) -> str:
     """Every seed-0 trial: steps to the target / best held-out loss, by arm and lr."""
     rates = sorted({p["lr"] for p in grid})
@@ -142,16 +131,7 @@ def grid_table(grid: list[dict], target: float, study: dict) -> str:
         mine = {p["lr"]: p for p in grid if p["arm"] == arm and p.get("gamma") == gamma}
         if not mine:
             continue
-        cells = []
-        for lr in rates:
-            p = mine.get(lr)
-            if p is None:
-                cells.append("")
-            elif not p["curve"]:
-                cells.append(f"({p['status'] or 'not run'})")
-            else:
-                steps = steps_to_target(p["curve"], target)
-                cells.append(f"{'-' if steps is None else steps} / {number(p['best'], '.3f')}")
+        cells = [curves.grid_cell(mine.get(lr), target) for lr in rates]
         lines.append(f"| {arm_name(arm, gamma)} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 

@@ -23,7 +23,7 @@ optimizer, each target a line).
 import math
 
 from lambjax.sweep import curves, plots
-from lambjax.sweep.curves import steps_to_target, time_at
+from lambjax.sweep.curves import number, rank, steps_to_target, time_at
 from lambjax.train.metrics import format_duration
 
 STD_LOSS = "train/standardization_loss"
@@ -66,12 +66,6 @@ def points(directory: str, trials: dict) -> list[dict]:
     return result
 
 
-def rank(point: dict, target: float) -> tuple:
-    """Fewer steps to the target first, then the lower best held-out loss."""
-    steps = steps_to_target(point["curve"], target)
-    return (math.inf if steps is None else steps, point["best"])
-
-
 def arms(grid: list[dict], sites) -> tuple[float, float, list[tuple[str, dict]]] | None:
     """(target, second target, [(arm, chosen point)]) of one optimizer's trials: the
     LayerNorm and no-normalization trials, then each site at its best weight. None without
@@ -92,11 +86,6 @@ def arms(grid: list[dict], sites) -> tuple[float, float, list[tuple[str, dict]]]
         if by_arm.get(site):
             rows.append((site, min(by_arm[site], key=lambda p: rank(p, target))))
     return target, second, rows
-
-
-def number(value: float, spec: str, unit: str = "") -> str:
-    """`value` formatted, or `-` where it is not finite (no evaluation, or a divergence)."""
-    return f"{value:{spec}}{unit}" if math.isfinite(value) else "-"
 
 
 def to_target(point: dict, target: float) -> tuple[int | None, float | None]:
@@ -154,16 +143,7 @@ def grid_table(grid: list[dict], target: float, weights, sites) -> str:
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for site in sites:
         mine = {p["weight"]: p for p in grid if p["arm"] == site}
-        cells = []
-        for weight in weights:
-            p = mine.get(weight)
-            if p is None:
-                cells.append("")
-            elif not p["curve"]:
-                cells.append(f"({p['status'] or 'not run'})")
-            else:
-                steps = steps_to_target(p["curve"], target)
-                cells.append(f"{'-' if steps is None else steps} / {number(p['best'], '.3f')}")
+        cells = [curves.grid_cell(mine.get(weight), target) for weight in weights]
         lines.append(f"| {site} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
