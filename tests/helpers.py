@@ -1,7 +1,6 @@
 """What several test modules share: a random pretraining batch, a FLOP count of traced
 matmuls, and running lambjax's commands as subprocesses, as a user starts them."""
 
-import json
 import os
 import subprocess
 import sys
@@ -10,7 +9,6 @@ import time
 import jax
 import numpy as np
 
-from lambjax import cli
 from lambjax.train.metrics import read_jsonl
 
 REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
@@ -132,21 +130,3 @@ def wait_until(condition, process, timeout=300, what="condition"):
         assert process.poll() is None, f"run ended early: {process.stderr.read()[-3000:]}"
         assert time.time() < deadline, f"{what} not met after {timeout}s"
         time.sleep(0.05)
-
-
-def run_study(config: str, workdir, data_dir: str, *, devices: int = 1, timeout=1200):
-    """A study's `smoke` size through `python -m lambjax.sweep` (two trials at a time) and
-    `report`, as its README commands run it. Checks every trial finished, the study's dict
-    reached sweep.json and the report printed what it wrote; returns (sweep.json, report.md).
-    """
-    command = [sys.executable, "-m", "lambjax.sweep", f"--config={config}:smoke"]
-    command += [f"--workdir={workdir}", f"--config.data.data_dir={data_dir}", "--parallel=2"]
-    run(command, devices, timeout=timeout)
-    state = json.loads((workdir / "sweep.json").read_text())
-    module = cli.load_module(os.path.join(REPO, config))[0]
-    assert state["study"] == json.loads(json.dumps(module.get_study("smoke")))
-    assert {t["status"] for t in state["trials"].values()} == {"finished"}
-    result = run([sys.executable, "-m", "lambjax.sweep", "report", str(workdir)], 1)
-    report = (workdir / "report.md").read_text()
-    assert report.split("\n", 2)[2].strip() in result.stdout
-    return state, report

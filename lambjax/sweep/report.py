@@ -7,6 +7,11 @@ and writes it to DIR/report.md, with DIR/eval_curves.png (eval MLM loss and accu
 against step, one line per trial) and DIR/final_vs_<field>.png (the final eval MLM accuracy
 and loss against each swept field). DIR may also be a single run's workdir. TensorBoard
 pointed at DIR shows every trial.
+
+A study's sweep (its config file defines `get_study(arg)`, kept in sweep.json) also gets the
+section that answers its question: `study_report(directory, trials, study)` of the module
+the study names under "report" (e.g. "studies.pld.report"), imported by name, so the command
+runs where that module imports (the repository root, for the studies/ folder).
 """
 
 import importlib
@@ -114,26 +119,20 @@ def write_report(directory: str) -> str:
     return text
 
 
-# A study's `kind` (its config's get_study) -> the module whose study_report answers it. The
-# modules import this one for its tables, so they are imported when a report needs them.
-STUDY_REPORTS = {
-    "batch_scaling": "lambjax.sweep.batch_scaling",
-    "chunked_accumulation": "lambjax.sweep.chunked_accumulation",
-    "mslt": "lambjax.sweep.mslt",
-    "ouroboros": "lambjax.sweep.ouroboros",
-    "pld": "lambjax.sweep.pld",
-    "standardization_loss": "lambjax.sweep.standardization_loss",
-}
-
-
 def study_answer(directory: str, trials: dict, study: dict) -> str:
-    """The section that answers a study's question (its `kind`)."""
-    kind = study.get("kind")
-    if kind not in STUDY_REPORTS:
+    """The section that answers a study's question: `study_report` of the module its config's
+    get_study names under "report" (e.g. "studies.pld.report")."""
+    name = study.get("report")
+    if not name:
+        raise ValueError(f"sweep.json's study names no report module: {study!r}")
+    try:
+        module = importlib.import_module(name)
+    except ImportError as error:
         raise ValueError(
-            f"sweep.json names a study of kind {kind!r}; known: {', '.join(STUDY_REPORTS)}"
-        )
-    return importlib.import_module(STUDY_REPORTS[kind]).study_report(directory, trials, study)
+            f"cannot import the study's report module {name} ({error}); "
+            "run the command from the repository root"
+        ) from error
+    return module.study_report(directory, trials, study)
 
 
 def plot_curves(directory: str, trials: dict) -> None:

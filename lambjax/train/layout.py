@@ -9,7 +9,7 @@ layers' gradients (one `pad` per layer and leaf, summed: a copy of every layer's
 each step), and the optimizer updates the stacked leaves. Held one tree per layer
 (`encoder/layers_0 ... layers_{L-1}`, lambjax.models.layer_layout) each layer's gradient,
 moments and update are buffers of their own, and nothing is assembled
-(docs/studies/fast_path.md has the operation counts).
+(docs/fast_path.md has the operation counts).
 
 The trainer converts at one boundary: the state a phase starts from (fresh, restored, or
 the previous phase's) goes `to_running`, and the state it saves goes `to_rest`, so a

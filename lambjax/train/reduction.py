@@ -20,7 +20,7 @@
 
 With mesh fsdp > 1 a micro-batch's gradient is still reduce-scattered over fsdp inside the
 loop in both forms: a sharded parameter's gradient is kept sharded (ZeRO's memory), so only
-the data axis can carry an unreduced sum. docs/studies/accumulation.md measures both.
+the data axis can carry an unreduced sum. studies/gradient_reduction/README.md measures both.
 """
 
 from collections.abc import Callable

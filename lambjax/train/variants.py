@@ -56,7 +56,7 @@ def layer_drop(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     scales with the run. theta comes within 0.05 of theta_bar after ln(10) / gamma steps: with
     the authors' fixed 0.001 that is 1.2% of their 200,000 steps but 27% of the 8,601 of
     configs/bert_lamb.py, and `runlocal`'s 12 steps end at theta 0.994; with 100 / T it is
-    2.3% of any run. The PLD study (docs/studies/pld.md) runs both; at its
+    2.3% of any run. The PLD study (studies/pld/README.md) runs both; at its
     CPU size it could not tell them apart. `--config.layer_drop.gamma=0.001` sets
     DeepSpeed's.
     """
@@ -92,7 +92,7 @@ def multi_stage(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     The later phases (phase 2 at sequence 512) train every layer: the final all-layer stage.
     The paper's per-stage step counts and its final stage are not published; these are
     choices. A stage's `continue_schedule` and `train_decoder` change the other two (one
-    schedule across stages; the tied decoder trained); docs/studies/mslt.md compares them.
+    schedule across stages; the tied decoder trained); studies/mslt/README.md compares them.
     """
     depths = stage_depths(model_depth(config))
     first, *later = config.phase_order
@@ -159,7 +159,7 @@ def fast(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     """No dropout on the attention probabilities, as MosaicBERT, Cramming and MaxText
     pretrain: the fused attention kernels (cuDNN on GPU, splash on TPU) have none, so with it
     off `attention='auto'` picks them (lambjax.models.attention). Hidden dropout stays 0.1, as
-    in MosaicBERT. Its cost in held-out MLM loss on CPU: docs/studies/fast_path.md."""
+    in MosaicBERT. Its cost in held-out MLM loss on CPU: docs/fast_path.md."""
     config.model.overrides.attention_dropout = 0.0
     return config
 

@@ -158,7 +158,7 @@ def test_ones_stall_at_2048_in_float16_and_chunks_of_64_recover_4096():
 @pytest.mark.parametrize("dtype_name", ["float16", "bfloat16"])
 def test_chunks_of_64_cut_the_error_of_one_long_accumulation_severalfold(dtype_name):
     # All-positive terms, contraction 2,048: the running sum grows, so naive accumulation
-    # swamps the later products (benchmarks/chunked_accumulation.py: 16x less error for
+    # swamps the later products (studies/chunked_accumulation/benchmark.py: 16x less error for
     # float16, 27x for bfloat16).
     a, b = uniform((16, 2048), 2), uniform((2048, 8), 3)
     exact = np.asarray(a, np.float64) @ np.asarray(b, np.float64)

@@ -104,7 +104,7 @@ def assert_trees_close(actual, expected, rtol, atol):
 
 @pytest.fixture(scope="module")
 def mesh():
-    assert jax.device_count() >= 8, "tests/conftest.py forces 8 CPU devices"
+    assert jax.device_count() >= 8, "conftest.py forces 8 CPU devices"
     return Mesh(np.array(jax.devices()[:8]), ("x",))
 
 

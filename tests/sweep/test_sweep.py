@@ -4,7 +4,6 @@ The end-to-end tests run `python -m lambjax.sweep` as users do, over tests/sweep
 three_trials.py (the demo's runlocal config, 3 trials), shortened to a few steps.
 """
 
-import glob
 import json
 import os
 import shlex
@@ -15,7 +14,6 @@ import time
 
 import pytest
 
-from lambjax import cli
 from lambjax.sweep import report, spec
 from lambjax.train.config import base_config
 from lambjax.train.metrics import read_jsonl
@@ -82,47 +80,17 @@ def test_trials_are_named_by_their_overrides_and_checked():
     assert spec.trials(config, [{"optimizer.b2": 1}])  # an int where a float goes
 
 
-def test_the_studies_smallest_forms_share_one_dataset():
-    """Every study's `smoke` size (configs/studies/) reads the dataset the others read: the
-    same data settings at the same sequence length, so the suite builds it once
-    (tests/conftest.py's study_data_dir); the same predictions per sequence too."""
-    forms = {}
-    for path in sorted(glob.glob(os.path.join(REPO, "configs", "studies", "*.py"))):
-        config = cli.load_module(path)[0].get_config("smoke")
-        for name in config.phase_order:
-            phase = config.phases[name]
-            forms[f"{os.path.basename(path)}:{name}"] = (
-                config.data.to_dict(),
-                phase.max_seq_length,
-                phase.max_predictions_per_seq,
-            )
-    assert len(forms) >= 3, sorted(forms)
-    first = next(iter(forms.values()))
-    assert first[0] == spec.cpu_study_config().data.to_dict()
-    assert {name: form == first for name, form in forms.items()} == dict.fromkeys(forms, True)
-
-
-STUDIES = sorted(glob.glob(os.path.join(REPO, "configs", "studies", "*.py")))
-
-
-@pytest.mark.parametrize("path", STUDIES, ids=os.path.basename)
-def test_a_study_names_its_sizes_when_given_another(path):
-    module = cli.load_module(path)[0]
-    valid = ", ".join(module.SIZES)
-    for function in (module.get_config, module.get_sweep, module.get_study):
-        with pytest.raises(ValueError, match=f"^size 'huge'; valid: {valid}$"):
-            function("huge")
-
-
-def test_an_unknown_study_size_ends_the_command_with_one_line(tmp_path):
-    config = "configs/studies/pld.py"
-    command = [sys.executable, "-m", "lambjax.sweep", f"--config={config}:huge"]
-    result = run([*command, f"--workdir={tmp_path}/x"], 1, check=False)
-    assert result.returncode == 2
-    assert result.stderr.strip().splitlines()[-1] == (
-        f"lambjax.sweep: error: --config={config}:huge: size 'huge'; valid: cpu, base, smoke"
+def test_a_labelled_trial_is_named_by_its_labels():
+    config = base_config()
+    trials = spec.trials(
+        config,
+        [spec.labelled({"seed": 3, "optimizer.b2": 0.98}, optimizer="lamb", batch=64), {"seed": 1}],
     )
-    assert not (tmp_path / "x").exists()
+    assert [t.name for t in trials] == ["optimizer=lamb,batch=64", "seed=1"]
+    assert trials[0].labels == {"optimizer": "lamb", "batch": 64}
+    assert trials[0].flags() == ["--config.seed=3", "--config.optimizer.b2=0.98"]
+    with pytest.raises(spec.SweepError, match="needs at least one label"):
+        spec.labelled({"seed": 1})
 
 
 @pytest.mark.parametrize(
@@ -246,6 +214,32 @@ def test_summary_of_a_run_without_evaluations(tmp_path):
     (tmp_path / "metrics.jsonl").write_text('{"step": 3, "train/loss": 2.0}\n')
     assert report.summary(str(tmp_path)) == {"steps": 3, "final": {}, "best": {}}
     assert os.path.exists(tmp_path / "metrics.jsonl")
+
+
+def test_a_study_report_comes_from_the_module_its_study_names(tmp_path, monkeypatch):
+    (tmp_path / "a").mkdir()
+    (tmp_path / "a" / "metrics.jsonl").write_text('{"step": 1, "train/loss": 7.0}\n')
+    answer = tmp_path / "answer.py"
+    answer.write_text(
+        "def study_report(directory, trials, study):\n"
+        "    return f'## The answer: {study[\"x\"]} over {sorted(trials)}'\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    study = {"kind": "made_up", "report": "answer", "x": 42}
+    trials = {"a": {"overrides": {"seed": 1}, "status": "finished", "wall_time_s": 1.0}}
+    sweep_file = tmp_path / "sweep.json"
+    sweep_file.write_text(json.dumps({"trials": trials, "study": study}))
+    text = report.write_report(str(tmp_path))
+    assert text.startswith("## The answer: 42 over ['a']\n\n## Every trial\n\n| seed |")
+    study["report"] = "studies.no_such_study.report"
+    sweep_file.write_text(json.dumps({"trials": trials, "study": study}))
+    result = run([sys.executable, "-m", "lambjax.sweep", "report", str(tmp_path)], 1, check=False)
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines()[-1] == (
+        "lambjax.sweep: error: cannot import the study's report module "
+        "studies.no_such_study.report (No module named 'studies.no_such_study'); "
+        "run the command from the repository root"
+    )
 
 
 def test_a_tpu_sweep_runs_a_trial_per_node_through_tpu_vm_sh(tmp_path, data_dir):

@@ -1,0 +1,134 @@
+"""What the study reports read off their trials: each labelled trial's held-out loss curve
+and logged step times, steps and training time to a target loss.
+
+Steps to a target are the first evaluation at or below it (exact to the evaluation
+interval). Training time adds up the trial's logged step times (`train/step_time_s`, each
+the mean of its log window) to that step: compiling and evaluating are not counted, and the
+first window, which holds the compilation and has no step time, is counted at the next
+window's rate.
+
+Trials that ran side by side, or at different times, logged their step times at whatever
+load the machine had then; `studies/pld/benchmark.py --sweep DIR` times one step of each
+arm in turn in one process instead and writes DIR/step_times.json, which `step_times` reads
+(arms named by `arm_of`).
+"""
+
+import json
+import math
+import statistics
+from collections.abc import Iterator
+
+from etils import epath
+
+from lambjax.train.metrics import read_jsonl
+
+LOSS, STEP_TIME = "eval/mlm_loss", "train/step_time_s"
+STEP_TIMES_FILE = "step_times.json"
+# Labels that leave the cost of a step alone: trials that differ only in them are one arm.
+COST_FREE_LABELS = ("lr", "seed")
+
+
+def records(workdir: str) -> list[tuple[int, dict]]:
+    """A trial's metrics.jsonl as (step, record), in step order; [] before it has any."""
+    path = epath.Path(workdir) / "metrics.jsonl"
+    return sorted(read_jsonl(str(path)).items()) if path.exists() else []
+
+
+def labelled(directory: str, trials: dict) -> Iterator[tuple[str, dict, dict]]:
+    """(name, trial, run) of each labelled trial of a sweep directory, where `run` holds its
+    held-out loss `curve`, its training `times` (log step -> seconds), its median
+    `step_time`, its `best` and `final` held-out loss and its metrics `records`."""
+    for name, trial in trials.items():
+        if trial.get("labels"):
+            yield name, trial, read_run(f"{directory}/{name}")
+
+
+def read_run(workdir: str) -> dict:
+    rows = records(workdir)
+    curve = [(step, r[LOSS]) for step, r in rows if LOSS in r]
+    step_times = [(step, r[STEP_TIME]) for step, r in rows if STEP_TIME in r]
+    log_steps = [step for step, r in rows if any(k.startswith("train/") for k in r)]
+    finite = [loss for _, loss in curve if math.isfinite(loss)]
+    seconds = [s for _, s in step_times]
+    return {
+        "curve": curve,
+        "times": cumulative_times(log_steps, step_times),
+        "step_time": statistics.median(seconds) if seconds else math.nan,
+        "best": min(finite) if finite else math.inf,
+        "final": curve[-1][1] if curve else math.nan,
+        "records": rows,
+    }
+
+
+def steps_to_target(curve: list[tuple[int, float]], target: float) -> int | None:
+    """The first evaluated step at or below `target`; None if none is."""
+    return next((step for step, loss in curve if loss <= target), None)
+
+
+def cumulative_times(log_steps: list[int], step_times: list[tuple[int, float]]) -> dict:
+    """Log step -> training seconds up to it: each window's steps times its step time; a
+    window without one (the first: compilation) at the next measured window's."""
+    measured = dict(step_times)
+    result, previous, total = {}, 0, 0.0
+    for index, step in enumerate(log_steps):
+        seconds = measured.get(step)
+        if seconds is None:
+            later = [measured[s] for s in log_steps[index + 1 :] if s in measured]
+            seconds = later[0] if later else math.nan
+        total += (step - previous) * seconds
+        result[step], previous = total, step
+    return result
+
+
+def time_at(times: dict, step: int) -> float:
+    """Training seconds to `step`: at the last log step at or before it, plus the steps
+    since at the next window's rate (exact when evaluations fall on log steps)."""
+    before = [s for s in times if s <= step]
+    after = [s for s in times if s > step]
+    base_step = max(before, default=0)
+    base = times.get(base_step, 0.0)
+    if step == base_step or not after:
+        return base
+    following = min(after)
+    rate = (times[following] - base) / (following - base_step)
+    return base + (step - base_step) * rate
+
+
+def arm_of(labels: dict) -> str:
+    """The arm a labelled trial belongs to, for step times: its labels but the cost-free."""
+    return ",".join(f"{k}={v}" for k, v in labels.items() if k not in COST_FREE_LABELS)
+
+
+def step_times(directory: str) -> dict | None:
+    """DIR/step_times.json, the step time of each arm timed round-robin (`arm` -> seconds
+    under "step_time_s", with "rounds" and "load_average"), or None where it was not run."""
+    path = epath.Path(directory) / STEP_TIMES_FILE
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+def uniform_times(times: dict, step_time: float) -> dict:
+    """Log step -> training seconds at one step time (in place of the logged ones)."""
+    return {step: step * step_time for step in times}
+
+
+def rank(point: dict, target: float) -> tuple:
+    """A report's order for choosing among trials: fewer steps to the target first, then
+    the lower best held-out loss (`point` holds a trial's `curve` and `best`)."""
+    steps = steps_to_target(point["curve"], target)
+    return (math.inf if steps is None else steps, point["best"])
+
+
+def number(value: float, spec: str, unit: str = "") -> str:
+    """`value` formatted, or `-` where it is not finite (no evaluation, or a divergence)."""
+    return f"{value:{spec}}{unit}" if math.isfinite(value) else "-"
+
+
+def grid_cell(point: dict | None, target: float) -> str:
+    """A grid table's cell: steps to the target / best held-out loss ('-' steps where it
+    is not reached), the trial's status where it has no evaluation, empty where absent."""
+    if point is None:
+        return ""
+    if not point["curve"]:
+        return f"({point['status'] or 'not run'})"
+    steps = steps_to_target(point["curve"], target)
+    return f"{'-' if steps is None else steps} / {number(point['best'], '.3f')}"

@@ -1,0 +1,40 @@
+"""What the study reports read off a trial (studies.curves): steps and training time
+to a target held-out loss, from metrics.jsonl as the training loop writes it."""
+
+import json
+import math
+
+import pytest
+
+from studies import curves
+
+
+def test_training_time_adds_the_logged_windows():
+    # Log every 5 steps; the first window (compilation) has no step time: the next one's.
+    log_steps = [5, 10, 15, 20]
+    step_times = [(10, 0.2), (15, 0.3), (20, 0.1)]
+    times = curves.cumulative_times(log_steps, step_times)
+    assert times == pytest.approx({5: 1.0, 10: 2.0, 15: 3.5, 20: 4.0})
+    assert curves.time_at(times, 15) == pytest.approx(3.5)
+    assert curves.time_at(times, 12) == pytest.approx(2.0 + 2 * 0.3)
+    assert curves.steps_to_target([(10, 6.0), (20, 5.5), (30, 5.4)], 5.5) == 20
+    assert curves.steps_to_target([(10, 6.0), (20, math.nan)], 5.5) is None
+
+
+def test_a_labelled_trial_reads_as_its_curve_and_times(tmp_path):
+    lines = [
+        {"step": 5, "train/loss": 7.0},
+        {"step": 10, "train/loss": 6.5, "train/step_time_s": 0.2, "eval/mlm_loss": 6.4},
+        {"step": 15, "train/loss": 6.0, "train/step_time_s": 0.4},
+        {"step": 20, "train/loss": 5.9, "train/step_time_s": 0.3, "eval/mlm_loss": 5.8},
+    ]
+    (tmp_path / "a").mkdir()
+    (tmp_path / "a" / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+    trials = {"a": {"labels": {"arm": "x"}}, "b": {"labels": {"arm": "y"}}, "c": {}}
+    runs = {name: run for name, _, run in curves.labelled(str(tmp_path), trials)}
+    assert sorted(runs) == ["a", "b"]  # "c" has no labels; "b" has not started
+    a = runs["a"]
+    assert a["curve"] == [(10, 6.4), (20, 5.8)]
+    assert (a["best"], a["final"], a["step_time"]) == (5.8, 5.8, 0.3)
+    assert a["times"] == pytest.approx({5: 1.0, 10: 2.0, 15: 4.0, 20: 5.5})
+    assert runs["b"]["curve"] == [] and runs["b"]["best"] == math.inf
