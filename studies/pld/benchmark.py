@@ -176,7 +176,7 @@ def sweep_arms(directory: str) -> dict:
 
 def trial_config(config_spec: str, overrides: list[str]):
     """The config `lambjax.main --config=SPEC OVERRIDES...` trains."""
-    argv = ["layer_schemes", f"--config={config_spec}", *overrides]
+    argv = ["studies.pld.benchmark", f"--config={config_spec}", *overrides]
     values = flags.FlagValues()
     config_flags.DEFINE_config_file("config", None, "", flag_values=values, sys_argv=argv)
     values(argv)
@@ -261,7 +261,7 @@ def main():
     host_memory.retain_freed_memory()  # before JAX starts, as lambjax.main does on CPU
     if args.sweep:
         return time_sweep(args.sweep, args.timing_rounds)
-    root = args.workdir or tempfile.mkdtemp(prefix="layer_schemes_")
+    root = args.workdir or tempfile.mkdtemp(prefix="pld_benchmark_")
     data_dir = os.path.join(root, "datasets")
     results = {}
     for name, config in schemes(args, data_dir).items():

@@ -8,7 +8,7 @@ import os
 from lambjax import cli
 from lambjax.sweep import runner, spec
 from studies import curves
-from studies.pld import benchmark as layer_schemes
+from studies.pld import benchmark as pld_benchmark
 from tests.helpers import REPO
 
 CONFIG = "studies/pld/config.py:smoke"
@@ -26,7 +26,7 @@ def write_sweep(directory) -> None:
 def test_the_arms_of_a_sweep_are_its_trials_configs(tmp_path, monkeypatch):
     monkeypatch.chdir(REPO)  # sweep.json names the config file as it was given
     write_sweep(tmp_path)
-    arms = layer_schemes.sweep_arms(str(tmp_path))
+    arms = pld_benchmark.sweep_arms(str(tmp_path))
     assert list(arms) == ["arm=postln", "arm=pld,gamma=100/T", "arm=preln"]
     settings = {
         arm: (c.model.overrides.layer_norm, c.layer_drop.enabled, c.phases.phase1.learning_rate)
@@ -52,8 +52,8 @@ def test_the_step_times_are_written_for_the_report(tmp_path, monkeypatch, capsys
         seconds = {"arm=postln": 0.2, "arm=pld,gamma=100/T": 0.15, "arm=preln": 0.19}
         return {(arm, "phase1"): seconds[arm] for arm in configs}
 
-    monkeypatch.setattr(layer_schemes, "step_seconds", fake_step_seconds)
-    layer_schemes.time_sweep(str(tmp_path), rounds=3)
+    monkeypatch.setattr(pld_benchmark, "step_seconds", fake_step_seconds)
+    pld_benchmark.time_sweep(str(tmp_path), rounds=3)
     assert timed["rounds"] == 3 and len(timed["configs"]) == 3
     written = curves.step_times(str(tmp_path))
     assert written["step_time_s"] == {
