@@ -112,9 +112,7 @@ def test_importing_the_optimizers_and_the_model_loads_no_training_stack(tmp_path
 
         import lambjax
         from lambjax import optim
-        from lambjax.models import encoder
-        from lambjax.models.config import BertConfig
-        from lambjax.models.params import init_params
+        from lambjax.models import bert, config, encoder, params, pretraining
 
         stack = {"tensorflow", "tensorflow_datasets", "grain", "clu", "orbax", "ml_collections"}
         loaded = sorted({name.split(".")[0] for name in sys.modules} & stack)
