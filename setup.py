@@ -1,7 +1,7 @@
 """lambjax: large-batch BERT pretraining (LAMB, LANS) in JAX/Flax.
 
 `pip install lambjax` gives the optimizers (lambjax.optim) and the model
-(lambjax.models.bert); `lambjax[train]` adds what pretraining needs (data pipeline,
+(lambjax.models); `lambjax[train]` adds what pretraining needs (data pipeline,
 checkpoints, metrics); `lambjax[hf]` adds `transformers` checkpoint interop.
 """
 

@@ -46,7 +46,9 @@ from train_step import (
 )
 
 from lambjax import distributed, xla_flags
-from lambjax.models import attention, bert
+from lambjax.models import attention
+from lambjax.models.config import PRESETS, BertConfig
+from lambjax.models.params import init_params
 from lambjax.train import layout
 from lambjax.train import step as step_lib
 from lambjax.train.config import OPTIMIZERS, optimizer_config
@@ -71,9 +73,9 @@ class Case:
     grad_accum: int
 
 
-def model_config(case: Case, args) -> bert.BertConfig:
+def model_config(case: Case, args) -> BertConfig:
     dropout = args.attention_dropout if case.attention == "xla" else 0.0
-    return bert.BertConfig.preset(
+    return BertConfig.preset(
         case.preset,
         vocab_size=args.vocab_size,
         scan_layers=LAYERS[case.layers],
@@ -90,7 +92,7 @@ def profiled(args, name):
     return jax.profiler.trace(os.path.join(args.profile, name))
 
 
-def lambjax_seconds(case: Case, config: bert.BertConfig, args) -> float:
+def lambjax_seconds(case: Case, config: BertConfig, args) -> float:
     seq, predictions, _ = PHASES[case.phase]
     schedule = optax.constant_schedule(1e-3)
     optimizer = make_optimizer(optimizer_config(case.optimizer), schedule)
@@ -107,7 +109,7 @@ def lambjax_seconds(case: Case, config: bert.BertConfig, args) -> float:
     )
 
     def init_state(key):  # held as the trainer's steps hold it (lambjax.train.layout)
-        state = TrainState.create(bert.init_params(config, key), optimizer)
+        state = TrainState.create(init_params(config, key), optimizer)
         return layout.to_running(state, 0) if layout.per_layer(config, False) else state
 
     state = jax.jit(init_state, out_shardings=NamedSharding(mesh, PartitionSpec()))(
@@ -130,7 +132,7 @@ def peer_seconds(preset: str, phase: str, batch_per_device: int, args) -> float:
     sys.path.insert(0, HF_DIR)
     from transformers import BertConfig
 
-    sizes = bert.PRESETS[preset]
+    sizes = PRESETS[preset]
     seq, predictions, _ = PHASES[phase]
     config = BertConfig(
         vocab_size=args.vocab_size,
@@ -204,7 +206,7 @@ def main(argv=None):
     parser.add_argument("--profile", default="", help="a directory for JAX profiles")
     parser.add_argument("--out", default="", help="also append the JSON lines to this file")
     args = parser.parse_args(argv)
-    presets = parse_list(parser, "--presets", args.presets, bert.PRESETS)
+    presets = parse_list(parser, "--presets", args.presets, PRESETS)
     phases = parse_list(parser, "--phases", args.phases, PHASES)
     optimizers = parse_list(parser, "--optimizers", args.optimizers, OPTIMIZERS)
     forms = parse_list(parser, "--attention", args.attention, attention.FORMS)
@@ -236,7 +238,7 @@ def main(argv=None):
             if args.peer:
                 seconds = peer_seconds(preset, phase, batch, args)
                 flops = train_step_flops(
-                    bert.BertConfig.preset(preset, vocab_size=args.vocab_size),
+                    BertConfig.preset(preset, vocab_size=args.vocab_size),
                     batch,
                     seq,
                     predictions,

@@ -71,11 +71,12 @@ def lambjax_step(model, dtype, batch_size):
     import optax
 
     from lambjax.finetune import step as step_lib
-    from lambjax.models import bert, heads
+    from lambjax.models import heads
+    from lambjax.models.config import BertConfig
     from lambjax.train.state import TrainState
 
     layers, hidden, num_heads, mlp = PRESETS[model]
-    config = bert.BertConfig(
+    config = BertConfig(
         vocab_size=VOCAB, num_layers=layers, hidden_size=hidden, num_heads=num_heads,
         intermediate_size=mlp, dtype=dtype, scan_layers=SCAN_LAYERS[model],
     )  # fmt: skip

@@ -121,15 +121,14 @@ def make_step(vocab_size: int):
     import jax
     import optax
 
-    from lambjax.models import bert
+    from lambjax.models.config import BertConfig
+    from lambjax.models.params import init_params
     from lambjax.train import step as step_lib
     from lambjax.train.config import optimizer_config
     from lambjax.train.optimizer import make_optimizer
     from lambjax.train.state import TrainState
 
-    config = bert.BertConfig.preset(
-        "tiny", vocab_size=vocab_size, scan_layers=False, attention="xla"
-    )
+    config = BertConfig.preset("tiny", vocab_size=vocab_size, scan_layers=False, attention="xla")
     schedule = optax.constant_schedule(5e-3)
     optimizer = make_optimizer(optimizer_config("lamb"), schedule)
     train_step = jax.jit(
@@ -143,7 +142,7 @@ def make_step(vocab_size: int):
         donate_argnums=(0,),
     )
     rng = jax.random.key(1)
-    init = jax.jit(lambda k: TrainState.create(bert.init_params(config, k), optimizer))
+    init = jax.jit(lambda k: TrainState.create(init_params(config, k), optimizer))
     return (lambda state, batch: train_step(state, batch, rng)[0]), lambda: init(jax.random.key(0))
 
 

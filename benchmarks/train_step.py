@@ -86,10 +86,10 @@ def median_step_seconds(step, state, batch, rng, steps):
 def lambjax_config(model, dtype="bfloat16", scan_layers=None):
     """The lambjax BertConfig benchmarked for `model` (compute `dtype`; the model's layer
     form unless `scan_layers` is given)."""
-    from lambjax.models import bert
+    from lambjax.models.config import BertConfig
 
     scan = SCAN_LAYERS[model] if scan_layers is None else scan_layers
-    return bert.BertConfig.preset(SHAPES[model][0], vocab_size=VOCAB, dtype=dtype, scan_layers=scan)
+    return BertConfig.preset(SHAPES[model][0], vocab_size=VOCAB, dtype=dtype, scan_layers=scan)
 
 
 def lambjax_step(model, dtype, scan_layers=None):
@@ -97,7 +97,7 @@ def lambjax_step(model, dtype, scan_layers=None):
     import jax
     import optax
 
-    from lambjax.models import bert
+    from lambjax.models.params import init_params
     from lambjax.train import step as step_lib
     from lambjax.train.config import optimizer_config
     from lambjax.train.optimizer import make_optimizer
@@ -116,7 +116,7 @@ def lambjax_step(model, dtype, scan_layers=None):
         ),
         donate_argnums=(0,),
     )
-    state = jax.jit(lambda k: TrainState.create(bert.init_params(config, k), optimizer))(
+    state = jax.jit(lambda k: TrainState.create(init_params(config, k), optimizer))(
         jax.random.key(0)
     )
     batch = random_batch(batch_size, seq, predictions)

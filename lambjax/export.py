@@ -31,7 +31,8 @@ def export_workdir(workdir: str, out: str, *, overwrite: bool = False) -> str:
     from etils import epath
 
     from lambjax import storage
-    from lambjax.models import bert, hf
+    from lambjax.models import hf
+    from lambjax.models.config import BertConfig
     from lambjax.train import checkpointing
 
     workdir, out = storage.resolve(workdir), storage.resolve(out)
@@ -47,7 +48,7 @@ def export_workdir(workdir: str, out: str, *, overwrite: bool = False) -> str:
             f"--out={out} holds files; give an empty or new directory, or add --overwrite"
         )
     meta, params = checkpointing.latest_params(workdir)
-    config = bert.BertConfig(**meta["model_config"])
+    config = BertConfig(**meta["model_config"])
     vocab = meta.get("vocab_file")
     vocab = vocab if vocab and epath.Path(vocab).exists() else None
     with tempfile.TemporaryDirectory() as scratch, storage.local_folder(out) as target:

@@ -17,7 +17,8 @@ import optax
 import pytest
 
 from lambjax import cli
-from lambjax.models import bert
+from lambjax.models.config import BertConfig
+from lambjax.models.params import init_params
 from lambjax.train import checkpointing
 from lambjax.train import workdir as workdir_lib
 from lambjax.train.state import TrainState
@@ -72,8 +73,8 @@ def pretraining_workdir(root) -> str:
 
 def finetuning_workdir(root) -> str:
     """A fine-tuning run's checkpoint, written by its own checkpoint class."""
-    model = bert.BertConfig.preset("tiny", vocab_size=128, dtype="float32")
-    params = jax.jit(bert.init_params, static_argnums=0)(model, jax.random.key(0))
+    model = BertConfig.preset("tiny", vocab_size=128, dtype="float32")
+    params = jax.jit(init_params, static_argnums=0)(model, jax.random.key(0))
     meta = {
         "task": "sst2",
         "init": "scratch:tiny",

@@ -20,12 +20,12 @@ from etils import epath
 
 from lambjax import storage
 from lambjax.finetune.errors import FinetuneError
-from lambjax.models import bert
+from lambjax.models.config import PRESETS, BertConfig
 
 
 @dataclasses.dataclass
 class Start:
-    model_config: bert.BertConfig
+    model_config: BertConfig
     params: dict | None  # embeddings, encoder and maybe heads/pooler (numpy); None: scratch
     vocab_file: str | None
     lower_case: bool | None  # as the checkpoint was trained, where it is known
@@ -39,11 +39,9 @@ def load(init: str) -> Start:
     if kind == "hf":
         return from_hf(value)
     if kind == "scratch":
-        if value not in bert.PRESETS:
-            raise FinetuneError(
-                f"config.init={init!r}: unknown preset; valid: {list(bert.PRESETS)}"
-            )
-        return Start(bert.BertConfig.preset(value), None, None, None, f"random {value} BERT")
+        if value not in PRESETS:
+            raise FinetuneError(f"config.init={init!r}: unknown preset; valid: {list(PRESETS)}")
+        return Start(BertConfig.preset(value), None, None, None, f"random {value} BERT")
     raise FinetuneError(f"config.init={init!r}; valid: workdir:PATH, hf:PATH, scratch:PRESET")
 
 
@@ -86,7 +84,7 @@ def from_workdir(workdir: str) -> Start:
         )
     _, phase, step, meta, path = finished[-1]
     state = checkpointing.read_state_on_host(path / "state")
-    config = bert.BertConfig(**meta["model_config"])
+    config = BertConfig(**meta["model_config"])
     run_config = json.loads(meta["config"])
     vocab = meta.get("vocab_file")
     return Start(

@@ -38,7 +38,8 @@ from lambjax.finetune import init as init_lib
 from lambjax.finetune import step as step_lib
 from lambjax.finetune import tasks
 from lambjax.finetune.errors import FinetuneError
-from lambjax.models import bert, heads
+from lambjax.models import heads
+from lambjax.models.config import BertConfig
 from lambjax.train import checkpointing
 from lambjax.train import loop as train_loop
 from lambjax.train import optimizer as optimizer_lib
@@ -53,7 +54,7 @@ class Run:
     """Everything built for one fine-tuning run."""
 
     task: tasks.Task
-    model_config: bert.BertConfig
+    model_config: BertConfig
     params: dict | None  # host parameters to start from (unused when resuming)
     vocab_file: str
     lower_case: bool
@@ -132,7 +133,7 @@ def _vocabulary(config, start: init_lib.Start, workdir: str) -> str:
     return storage.local_copy(os.fspath(path))
 
 
-def _model_config(config, start: init_lib.Start, vocab_size: int) -> bert.BertConfig:
+def _model_config(config, start: init_lib.Start, vocab_size: int) -> BertConfig:
     overrides = {k: v for k, v in config.model.to_dict().items() if v is not None}
     model_config = start.model_config
     if start.params is None:

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import optax
 
 from lambjax.models import heads
-from lambjax.models.bert import BertConfig
+from lambjax.models.config import BertConfig
 from lambjax.train import step as step_lib
 from lambjax.train.state import TrainState
 

@@ -1,7 +1,7 @@
 """Task heads on the BERT encoder: a span head (SQuAD) and a sequence classifier (GLUE).
 
 A fine-tuning model's parameters are the encoder's (`embeddings`, `encoder`, as in
-lambjax.models.bert) and the head's under `heads`:
+lambjax.models.params) and the head's under `heads`:
 
   span:        heads/qa_outputs/{kernel [H, 2], bias [2]}      start and end logits per token
   classifier:  heads/pooler/{kernel, bias}                     tanh(W h[CLS] + b), as pretrained
@@ -18,35 +18,38 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from lambjax.models import bert
+from lambjax.models import params as bert_params
+from lambjax.models.bert import dense
+from lambjax.models.config import BertConfig
+from lambjax.models.encoder import encoder_outputs
 
 KINDS = ("span", "classifier")
 
 
 class SpanHead(nn.Module):
-    config: bert.BertConfig
+    config: BertConfig
 
     @nn.compact
     def __call__(self, h, deterministic: bool = True):
-        logits = bert.dense(self.config, 2, ("embed", "classes"), "qa_outputs")(h)
+        logits = dense(self.config, 2, ("embed", "classes"), "qa_outputs")(h)
         logits = logits.astype(jnp.float32)
         return logits[..., 0], logits[..., 1]  # [B, S] start, [B, S] end
 
 
 class ClassifierHead(nn.Module):
-    config: bert.BertConfig
+    config: BertConfig
     num_labels: int
 
     @nn.compact
     def __call__(self, h, deterministic: bool = True):
         c = self.config
-        pooled = jnp.tanh(bert.dense(c, c.hidden_size, ("embed", "mlp"), "pooler")(h[:, 0]))
+        pooled = jnp.tanh(dense(c, c.hidden_size, ("embed", "mlp"), "pooler")(h[:, 0]))
         pooled = nn.Dropout(c.hidden_dropout)(pooled, deterministic=deterministic)
-        logits = bert.dense(c, self.num_labels, ("embed", "classes"), "classifier")(pooled)
+        logits = dense(c, self.num_labels, ("embed", "classes"), "classifier")(pooled)
         return logits.astype(jnp.float32)  # [B, N]
 
 
-def head_module(config: bert.BertConfig, kind: str, num_labels: int = 2) -> nn.Module:
+def head_module(config: BertConfig, kind: str, num_labels: int = 2) -> nn.Module:
     if kind == "span":
         return SpanHead(config)
     if kind == "classifier":
@@ -61,15 +64,15 @@ def _boxed_head(config, kind, num_labels, rng):
     return head_module(config, kind, num_labels).init(rng, h)["params"]
 
 
-def init_head(config: bert.BertConfig, kind: str, num_labels: int, rng: jax.Array) -> dict:
+def init_head(config: BertConfig, kind: str, num_labels: int, rng: jax.Array) -> dict:
     """A freshly initialised head (BERT's truncated normal, zero biases)."""
     return nn.meta.unbox(_boxed_head(config, kind, num_labels, rng))
 
 
-def init_params(config: bert.BertConfig, kind: str, num_labels: int, rng: jax.Array) -> dict:
+def init_params(config: BertConfig, kind: str, num_labels: int, rng: jax.Array) -> dict:
     """Random encoder and head (fine-tuning from scratch)."""
     encoder_rng, head_rng = jax.random.split(rng)
-    params = bert.init_params(config, encoder_rng)
+    params = bert_params.init_params(config, encoder_rng)
     return with_head(params, init_head(config, kind, num_labels, head_rng))
 
 
@@ -82,17 +85,17 @@ def with_head(encoder_params: dict, head: dict) -> dict:
     }
 
 
-def param_logical_axes(config: bert.BertConfig, kind: str, num_labels: int) -> dict:
+def param_logical_axes(config: BertConfig, kind: str, num_labels: int) -> dict:
     """Logical axis names of every parameter of encoder + head (no real init)."""
-    encoder = bert.param_logical_axes(config)
+    encoder_axes = bert_params.param_logical_axes(config)
     boxed = jax.eval_shape(
         functools.partial(_boxed_head, config, kind, num_labels), jax.random.key(0)
     )
-    return with_head(encoder, nn.get_partition_spec(boxed))
+    return with_head(encoder_axes, nn.get_partition_spec(boxed))
 
 
 def apply(
-    config: bert.BertConfig,
+    config: BertConfig,
     kind: str,
     num_labels: int,
     params: dict,
@@ -105,7 +108,7 @@ def apply(
     deterministic = dropout_rng is None
     if not deterministic:
         dropout_rng, head_rng = jax.random.split(dropout_rng)
-    h = bert.encoder_outputs(
+    h, _ = encoder_outputs(
         config,
         params,
         batch["input_ids"],

@@ -18,7 +18,8 @@ import jax
 import numpy as np
 from absl import logging
 
-from lambjax.models import bert
+from lambjax.models.config import BertConfig
+from lambjax.models.params import init_params
 
 _EMBEDDINGS = {
     ("embeddings", "word", "embedding"): "embeddings.word_embeddings.weight",
@@ -50,14 +51,14 @@ _HEADS = {
 _HIDDEN_ACT = {"gelu": False, "gelu_new": True, "gelu_pytorch_tanh": True}
 
 
-def config_from_hf(hf: dict) -> bert.BertConfig:
+def config_from_hf(hf: dict) -> BertConfig:
     hidden_act = hf.get("hidden_act", "gelu")
     if hidden_act not in _HIDDEN_ACT:
         raise ValueError(
             f"hidden_act={hidden_act!r}: lambjax BERT runs {sorted(_HIDDEN_ACT)} "
             "(exact GELU, or its tanh approximation)"
         )
-    return bert.BertConfig(
+    return BertConfig(
         vocab_size=hf["vocab_size"],
         hidden_size=hf["hidden_size"],
         num_layers=hf["num_hidden_layers"],
@@ -74,7 +75,7 @@ def config_from_hf(hf: dict) -> bert.BertConfig:
     )
 
 
-def config_to_hf(config: bert.BertConfig) -> dict:
+def config_to_hf(config: BertConfig) -> dict:
     return {
         "architectures": ["BertForPreTraining"],
         "model_type": "bert",
@@ -110,7 +111,7 @@ def _load_state_dict(path: str) -> dict[str, np.ndarray]:
     raise FileNotFoundError(f"{path}: neither model.safetensors nor pytorch_model.bin")
 
 
-def _to_ours(weight: np.ndarray, kind: str, config: bert.BertConfig, is_bias: bool):
+def _to_ours(weight: np.ndarray, kind: str, config: BertConfig, is_bias: bool):
     heads, head_dim = config.num_heads, config.head_dim
     if kind == "norm" or (is_bias and kind in ("dense", "heads_in")):
         return weight
@@ -142,13 +143,13 @@ def _leaf_names(kind):
     )
 
 
-def from_transformers(path: str) -> tuple[bert.BertConfig, dict]:
+def from_transformers(path: str) -> tuple[BertConfig, dict]:
     """Imports a transformers BERT checkpoint directory; returns (config, params)."""
     with open(os.path.join(path, "config.json"), encoding="utf-8") as f:
         config = config_from_hf(json.load(f))
     state = _load_state_dict(path)
     prefix = "bert." if any(k.startswith("bert.") for k in state) else ""
-    params = jax.tree.map(np.asarray, bert.init_params(config, jax.random.key(0)))
+    params = jax.tree.map(np.asarray, init_params(config, jax.random.key(0)))
     missing = []
 
     def take(name):
@@ -195,7 +196,7 @@ def from_transformers(path: str) -> tuple[bert.BertConfig, dict]:
     return config, params
 
 
-def _encoder_state(config: bert.BertConfig, params: dict) -> dict[str, np.ndarray]:
+def _encoder_state(config: BertConfig, params: dict) -> dict[str, np.ndarray]:
     """The embeddings' and encoder layers' tensors under transformers' `bert.` names."""
     state = {}
     for ours, theirs in _EMBEDDINGS.items():
@@ -212,7 +213,7 @@ def _encoder_state(config: bert.BertConfig, params: dict) -> dict[str, np.ndarra
     return state
 
 
-def unexportable_reason(config: bert.BertConfig) -> str | None:
+def unexportable_reason(config: BertConfig) -> str | None:
     """Why transformers' BERT cannot represent this model exactly, or None if it can.
 
     Its blocks are PostLN, and every LayerNorm normalizes: no choice of LayerNorm parameters
@@ -242,7 +243,7 @@ def save_safetensors(state: dict[str, np.ndarray], path: str) -> None:
 
 
 def to_transformers(
-    config: bert.BertConfig, params: dict, path: str, vocab_file: str | None = None
+    config: BertConfig, params: dict, path: str, vocab_file: str | None = None
 ) -> None:
     """Writes a directory that `transformers.BertForPreTraining.from_pretrained` loads."""
     reason = unexportable_reason(config)
@@ -270,7 +271,7 @@ def to_transformers(
 
 
 def to_transformers_task(
-    config: bert.BertConfig,
+    config: BertConfig,
     params: dict,
     path: str,
     *,
@@ -358,7 +359,7 @@ def save_tokenizer(path: str, vocab_file: str, lower_case: bool, max_length: int
             json.dump(content, f, indent=2)
 
 
-def from_transformers_task(path: str) -> tuple[bert.BertConfig, dict, list | None]:
+def from_transformers_task(path: str) -> tuple[BertConfig, dict, list | None]:
     """Imports a `BertForQuestionAnswering` or `BertForSequenceClassification` directory:
     (config, params with the head under `heads`, class names or None)."""
     config, params = from_transformers(path)

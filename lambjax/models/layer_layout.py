@@ -65,7 +65,7 @@ def per_layer_trees(encoder: dict) -> list:
 
 
 def encoder_layers(encoder: dict):
-    """The encoder's layers as `run_layers` takes them: the stacked tree, or the list of
+    """The encoder's layers as `encoder.run_layers` takes them: the stacked tree, or the list of
     per-layer trees."""
     return encoder["layers"] if "layers" in encoder else per_layer_trees(encoder)
 

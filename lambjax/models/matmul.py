@@ -3,9 +3,9 @@
 `matmul(a, b)` is `a @ b` for 2-D operands of one dtype. In bfloat16 on CPU it runs every
 matmul of the forward and the backward pass as bf16 x bf16 -> f32, rounding the result to
 bfloat16 once. That is the form XLA:CPU runs with the processor's bfloat16 dot-product
-instructions (AVX512_BF16), at about twice its float32 rate (measured here: 345-400 against
-165-205 GFLOP/s); bf16 x bf16 -> bf16, what a plain bfloat16 matmul asks for, runs no faster
-than float32. Two more forms fall off that path, and the backward pass avoids both:
+instructions (AVX512_BF16), at about twice its float32 rate (docs/performance.md); bf16 x
+bf16 -> bf16, what a plain bfloat16 matmul asks for, runs no faster than float32. Two more
+forms fall off that path, and the backward pass avoids both:
 
 - a left operand contracted on its leading axis (every weight gradient, x^T g): XLA:CPU
   converts both operands to float32 for it. The backward pass transposes x in memory first.

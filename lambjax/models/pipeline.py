@@ -9,7 +9,7 @@ the mesh axis `stage` splits evenly.
 
 The functions below are one stage's computations on one micro-batch, as functions of that
 stage's parameters, its inputs and a dropout key, under a `StageModel`. They draw the keys of
-the unsplit model (lambjax.models.bert: split(key) -> (embeddings, layers), layer i
+the unsplit model (lambjax.models.encoder: split(key) -> (embeddings, layers), layer i
 fold_in(layers key, i)), so the modules chained reproduce the model's own forward:
 
   first_module     the embeddings and module 1's layers
@@ -28,7 +28,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from lambjax.models import bert, pretraining
+from lambjax.models import bert, encoder, pretraining
+from lambjax.models.config import BertConfig
 
 
 @dataclasses.dataclass(frozen=True)
@@ -146,15 +147,15 @@ def pad_block(split: Split, grads, lo: int):
 class StageModel:
     """The model of the stages: BERT's configuration, its split, the NSP loss' weight."""
 
-    config: bert.BertConfig
+    config: BertConfig
     split: Split
     nsp_loss_weight: float = 1.0
 
 
-def _run_layers(config: bert.BertConfig, layers, h, input_mask, rng, first_index):
+def _run_layers(config: BertConfig, layers, h, input_mask, rng, first_index):
     """The model's layer loop on a block of layers, layer i's key fold_in(rng, global i)."""
-    h, _ = bert.run_layers(
-        config, layers, h, bert.attention_bias(input_mask), rng=rng, first_index=first_index
+    h, _ = encoder.run_layers(
+        config, layers, h, encoder.attention_bias(input_mask), rng=rng, first_index=first_index
     )
     return h
 

@@ -12,27 +12,26 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from lambjax.models import bert
-from lambjax.models.bert import BertConfig
+from lambjax.models.bert import Heads
+from lambjax.models.config import BertConfig
+from lambjax.models.encoder import LayerOptions, encoder_outputs
 
 
-def _vocab_major_logits_and_standardization_loss(
-    config: BertConfig, params: dict, batch: dict, **encoder_kwargs
-):
+def _vocab_major_logits(config: BertConfig, params: dict, batch: dict, dropout_rng, options):
     """(MLM logits [V, B * P] at the masked positions, NSP logits [B, 2], or [B * M, 2]
-    for packed rows), float32, and the encoder's standardization loss
-    (bert.encoder_outputs_and_standardization_loss)."""
-    h, standardization_loss = bert.encoder_outputs_and_standardization_loss(
+    for packed rows), float32, and the encoder's standardization loss."""
+    h, standardization_loss = encoder_outputs(
         config,
         params,
         batch["input_ids"],
         batch["segment_ids"],
         batch["input_mask"],
+        dropout_rng=dropout_rng,
+        options=options,
         positions=batch.get("positions"),
         example_ids=batch.get("example_ids"),
-        **encoder_kwargs,
     )
-    logits = bert.Heads(config).apply(
+    logits = Heads(config).apply(
         {"params": params["heads"]},
         h,
         batch["masked_lm_positions"],
@@ -42,15 +41,10 @@ def _vocab_major_logits_and_standardization_loss(
     return logits, standardization_loss
 
 
-def _vocab_major_logits(config: BertConfig, params: dict, batch: dict, **encoder_kwargs):
-    """(MLM logits [V, B * P] at the masked positions, NSP logits [B, 2]), float32."""
-    return _vocab_major_logits_and_standardization_loss(config, params, batch, **encoder_kwargs)[0]
-
-
-def pretraining_logits(config: BertConfig, params: dict, batch: dict, **encoder_kwargs):
+def pretraining_logits(config: BertConfig, params: dict, batch: dict):
     """(MLM logits [B, P, V] at the masked positions, NSP logits [B, 2], or [B * M, 2] for
-    packed rows), float32."""
-    mlm_logits, nsp_logits = _vocab_major_logits(config, params, batch, **encoder_kwargs)
+    packed rows), float32, without dropout."""
+    (mlm_logits, nsp_logits), _ = _vocab_major_logits(config, params, batch, None, LayerOptions())
     shape = batch["masked_lm_positions"].shape + (config.vocab_size,)
     return mlm_logits.T.reshape(shape), nsp_logits
 
@@ -76,31 +70,21 @@ def pretraining_stats(
     batch: dict,
     *,
     dropout_rng=None,
-    layer_keep=None,
-    layer_scale=None,
-    num_frozen_layers: int = 0,
-    standardization_loss: bool = False,
-    standardization_site: str = "residual",
+    options: LayerOptions | None = None,
 ) -> dict[str, Any]:
     """Sums (not means) of the MLM and NSP losses and hits over the batch, float32.
 
-    Sums let a caller add micro-batches up exactly and normalise by global counts. With
-    `standardization_loss`, also the encoder's standardization loss of this batch at
-    `standardization_site` (`standardization_loss`, lambjax.models.standardization; a model
-    with normalization 'none' only).
+    Sums let a caller add micro-batches up exactly and normalise by global counts. Dropout
+    iff `dropout_rng`; `options`: the training methods' settings of the layer stack (None:
+    plain BERT). With a `standardization_site` in them, also the encoder's standardization
+    loss of this batch (`standardization_loss`, lambjax.models.standardization; 0 unless the
+    model has normalization 'none').
     """
-    (mlm_logits, nsp_logits), std_loss = _vocab_major_logits_and_standardization_loss(
-        config,
-        params,
-        batch,
-        dropout_rng=dropout_rng,
-        layer_keep=layer_keep,
-        layer_scale=layer_scale,
-        num_frozen_layers=num_frozen_layers,
-        standardization_loss=standardization_loss,
-        standardization_site=standardization_site,
+    options = options or LayerOptions()
+    (mlm_logits, nsp_logits), std_loss = _vocab_major_logits(
+        config, params, batch, dropout_rng, options
     )
-    stats = {} if not standardization_loss else {"standardization_loss": std_loss}
+    stats = {} if options.standardization_site is None else {"standardization_loss": std_loss}
     return stats | stats_from_logits(mlm_logits, nsp_logits, batch)
 
 

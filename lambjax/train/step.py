@@ -20,6 +20,7 @@ computed from each micro-batch's statistics and averaged over the micro-batches;
 logged as `standardization_loss` (unweighted), and `loss` stays the MLM + NSP loss.
 """
 
+import dataclasses
 from collections.abc import Callable
 
 import jax
@@ -29,6 +30,7 @@ import optax
 from lambjax import optim
 from lambjax.models import pretraining
 from lambjax.models.bert import BertConfig
+from lambjax.models.encoder import LayerOptions
 from lambjax.train import reduction, stacking
 from lambjax.train.layer_drop import LayerDrop
 from lambjax.train.state import TrainState
@@ -188,23 +190,23 @@ def train_step(
         stat_keys += ("standardization_loss",)
 
     def loss_fn(trainable, microbatch, microbatch_rng):
-        layers = {}
+        options = LayerOptions(
+            num_frozen_layers=num_frozen_layers,
+            standardization_site=standardization_loss_site if standardize else None,
+        )
         if layer_drop is not None:  # its own stream: dropout keys stay those of the baseline
             pld_rng = jax.random.fold_in(microbatch_rng, _LAYER_DROP_STREAM)
             keep, scale = layer_drop.sample(pld_rng, state.step, model_config.num_layers)
-            layers = {"layer_keep": keep, "layer_scale": scale}
+            options = dataclasses.replace(options, keep=keep, scale=scale)
         stats = pretraining.pretraining_stats(
             model_config,
             stacking.merge(trainable, frozen),
             microbatch,
             dropout_rng=reduction.shard_dropout_key(microbatch_rng, reduce_once_on),
-            num_frozen_layers=num_frozen_layers,
-            standardization_loss=standardize,
-            standardization_site=standardization_loss_site,
-            **layers,
+            options=options,
         )
         if layer_drop is not None:
-            stats["layers_run_sum"] = jnp.sum(layers["layer_keep"].astype(jnp.float32))
+            stats["layers_run_sum"] = jnp.sum(options.keep.astype(jnp.float32))
         loss = stats["mlm_loss_sum"] / mlm_total + nsp_loss_weight * (
             stats["nsp_loss_sum"] / nsp_total
         )

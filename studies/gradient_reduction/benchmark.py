@@ -72,7 +72,8 @@ def worker(args) -> None:
     import optax
 
     from lambjax import sharding
-    from lambjax.models import bert
+    from lambjax.models.config import BertConfig
+    from lambjax.models.params import init_params, param_logical_axes
     from lambjax.train import loop
     from lambjax.train import state as state_lib
     from lambjax.train import step as step_lib
@@ -80,19 +81,17 @@ def worker(args) -> None:
     from lambjax.train.optimizer import make_optimizer
     from lambjax.train.state import TrainState
 
-    model = bert.BertConfig.preset(
-        "tiny", vocab_size=args.vocab, dtype="float32", scan_layers=False
-    )
+    model = BertConfig.preset("tiny", vocab_size=args.vocab, dtype="float32", scan_layers=False)
     mesh = sharding.make_mesh({"data": -1})
     schedule = optax.constant_schedule(1e-3)
     optimizer = make_optimizer(optimizer_config("lamb"), schedule)
 
     def init():
-        return TrainState.create(bert.init_params(model, jax.random.key(0)), optimizer)
+        return TrainState.create(init_params(model, jax.random.key(0)), optimizer)
 
     shardings = state_lib.shardings(
         jax.eval_shape(init),
-        param_axes=bert.param_logical_axes(model),
+        param_axes=param_logical_axes(model),
         mesh=mesh,
         optimizer=optimizer,
         num_frozen_layers=0,
@@ -182,14 +181,15 @@ def communication_model(nodes=(2, 16), accums=(8, 32)) -> None:
     H100 each, the float32 gradient all-reduced A times per step (each) or once."""
     import jax
 
-    from lambjax.models import bert
+    from lambjax.models.config import BertConfig
+    from lambjax.models.params import init_params
 
     heads = " | ".join(f"A={a}: comm share each / once, step once / each" for a in accums)
     print(f"| model | float32 gradient | link | nodes | all-reduce (ms) | {heads} |")
     print("|---|---|---|---|---|" + "---|" * len(accums))
     for preset, (sequences, seconds) in MICRO_BATCH_SECONDS.items():
-        config = bert.BertConfig.preset(preset, vocab_size=30522)
-        abstract = jax.eval_shape(lambda c=config: bert.init_params(c, jax.random.key(0)))
+        config = BertConfig.preset(preset, vocab_size=30522)
+        abstract = jax.eval_shape(lambda c=config: init_params(c, jax.random.key(0)))
         gradient_bytes = 4 * sum(x.size for x in jax.tree.leaves(abstract))
         for link, bandwidth in BANDWIDTHS.items():
             for n in nodes:

@@ -93,22 +93,22 @@ def measure_parts(preset: str, rows: int, seq: int, **overrides) -> dict:
     import jax
     import jax.numpy as jnp
 
-    from lambjax.models import bert, pretraining
+    from lambjax.models import bert, encoder, pretraining
+    from lambjax.models.config import BertConfig
+    from lambjax.models.params import init_params
     from tests.helpers import random_batch
 
-    config = bert.BertConfig.preset(preset, dtype="float32", **overrides)
-    params = bert.init_params(config, jax.random.key(0))
+    config = BertConfig.preset(preset, dtype="float32", **overrides)
+    params = init_params(config, jax.random.key(0))
     vocab = min(config.vocab_size, 1000)
     batch = random_batch(0, batch=rows, seq=seq, predictions=predictions(seq), vocab_size=vocab)
     rng = jax.random.key(1)
     layer = jax.tree.map(lambda x: x[:1], params["encoder"]["layers"])
     h = jnp.ones((rows, seq, config.hidden_size), jnp.float32)
-    bias = bert.attention_bias(jnp.asarray(batch["input_mask"]))
+    bias = encoder.attention_bias(jnp.asarray(batch["input_mask"]))
 
     def one_layer(layer, h):
-        out, _ = bert.run_layers(
-            config, layer, h, bias, rng=rng, keep=None, scale=None, first_index=0, token_mask=None
-        )
+        out, _ = encoder.run_layers(config, layer, h, bias, rng=rng)
         return out
 
     def embeddings(embeddings):

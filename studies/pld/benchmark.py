@@ -53,7 +53,7 @@ from etils import epath
 from ml_collections import config_flags
 
 from lambjax import data, host_memory, storage
-from lambjax.models import bert
+from lambjax.models.params import init_params
 from lambjax.sweep import runner, spec
 from lambjax.train import config as config_lib
 from lambjax.train import phases, plan, trainer, variants
@@ -123,7 +123,7 @@ def schemes(args, data_dir: str) -> dict:
 def compiled_step(config, phase: phases.Phase):
     """(the phase's jitted train step, a fresh state, one real batch), warmed up."""
     step = jax.jit(phase.train_step(), donate_argnums=(0,))
-    params = bert.init_params(phase.model_config, jax.random.key(config.seed))
+    params = init_params(phase.model_config, jax.random.key(config.seed))
     state = TrainState.create(params, phase.optimizer, phase.num_frozen_layers)
     state = state.replace(step=state.step + phase.plan.num_steps)  # PLD: theta at theta_bar
     batch = next(

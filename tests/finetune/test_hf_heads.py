@@ -7,9 +7,10 @@ import pytest
 import torch
 import transformers
 
-from lambjax.models import bert, heads, hf
+from lambjax.models import heads, hf
+from lambjax.models.config import BertConfig
 
-CONFIG = bert.BertConfig(
+CONFIG = BertConfig(
     vocab_size=99,
     hidden_size=32,
     num_layers=2,
@@ -101,7 +102,7 @@ def test_preln_and_headless_models_do_not_export(tmp_path):
     params = random_params("span", 2)
     with pytest.raises(ValueError, match="PostLN"):
         hf.to_transformers_task(
-            bert.BertConfig(**{**CONFIG.__dict__, "layer_norm": "pre"}), params, str(tmp_path)
+            BertConfig(**{**CONFIG.__dict__, "layer_norm": "pre"}), params, str(tmp_path)
         )
     with pytest.raises(ValueError, match="no span or classifier head"):
         hf.to_transformers_task(CONFIG, {**params, "heads": {}}, str(tmp_path))

@@ -18,7 +18,8 @@ import pytest
 from etils import epath
 
 from lambjax.finetune import glue_metrics, squad_metrics
-from lambjax.models import bert
+from lambjax.models.config import BertConfig
+from lambjax.models.params import init_params
 from lambjax.train import checkpointing
 from lambjax.train import config as train_config
 from lambjax.train.metrics import read_jsonl
@@ -155,8 +156,8 @@ def pretraining_workdir(root, vocab_file: str) -> str:
            for name, steps in (("phase1", 4), ("phase2", 3))},
     )  # fmt: skip
     vocab_size = len(epath.Path(vocab_file).read_text().splitlines())
-    model = bert.BertConfig.preset("tiny", vocab_size=vocab_size, dtype="float32")
-    init = jax.jit(bert.init_params, static_argnums=0)
+    model = BertConfig.preset("tiny", vocab_size=vocab_size, dtype="float32")
+    init = jax.jit(init_params, static_argnums=0)
     for phase, step, seed in (("phase1", 4, 0), ("phase2", 1, 1)):
         state = TrainState.create(init(model, jax.random.key(seed)), optax.sgd(0.1))
         meta = {

@@ -12,7 +12,9 @@ import optax
 import pytest
 from jax._src.cudnn import fused_attention_stablehlo
 
-from lambjax.models import attention, bert
+from lambjax.models import attention
+from lambjax.models.config import BertConfig
+from lambjax.models.params import init_params
 from lambjax.train import step as step_lib
 from lambjax.train.config import optimizer_config
 from lambjax.train.optimizer import make_optimizer
@@ -114,19 +116,19 @@ def test_auto_picks_the_platform_kernel_without_attention_dropout():
     assert choose(0.0, "gpu", dtype="float32") == "xla"  # cuDNN computes in 16 bits
     assert choose(0.0, "gpu", head_dim=160) == "xla"
     # On this host the default stays the einsum form.
-    assert attention.resolve(bert.BertConfig(attention_dropout=0.0)).attention == "xla"
+    assert attention.resolve(BertConfig(attention_dropout=0.0)).attention == "xla"
 
 
 def test_kernels_refuse_attention_dropout_and_other_platforms():
     with pytest.raises(ValueError, match=r"attention='cudnn' has no dropout.*=0.1"):
-        bert.BertConfig(attention="cudnn", attention_dropout=0.1)
+        BertConfig(attention="cudnn", attention_dropout=0.1)
     with pytest.raises(ValueError, match=r"attention='splash' has no dropout.*=0.1"):
-        bert.BertConfig(attention="splash", attention_dropout=0.1)
+        BertConfig(attention="splash", attention_dropout=0.1)
     with pytest.raises(ValueError, match=r"attention='flash'; valid: auto, xla, cudnn, splash"):
-        bert.BertConfig(attention="flash")
+        BertConfig(attention="flash")
     with pytest.raises(ValueError, match="bfloat16 or float16, not dtype='float32'"):
-        bert.BertConfig(attention="cudnn", attention_dropout=0.0, dtype="float32")
-    config = bert.BertConfig(attention="splash", attention_dropout=0.0)
+        BertConfig(attention="cudnn", attention_dropout=0.0, dtype="float32")
+    config = BertConfig(attention="splash", attention_dropout=0.0)
     with pytest.raises(ValueError, match="runs on tpu only, this is cpu"):
         attention.resolve(config, "cpu")
 
@@ -150,7 +152,7 @@ def packed_batch(seq=128, batch=4, slots=3):
 def lowered_train_step(config, platform, seq=128, packed=False):
     optimizer = make_optimizer(optimizer_config("lamb"), optax.constant_schedule(1e-3))
     state = jax.eval_shape(
-        lambda key: TrainState.create(bert.init_params(config, key), optimizer),
+        lambda key: TrainState.create(init_params(config, key), optimizer),
         jax.random.key(0),
     )
     rows = packed_batch(seq) if packed else random_batch(batch=4, seq=seq)
@@ -174,7 +176,7 @@ def cudnn_version_check_passes(monkeypatch):
 
 @pytest.mark.parametrize("scan_layers", [False, True], ids=["unrolled", "scan"])
 def test_train_step_lowers_to_cudnn_fused_attention(cudnn_version_check_passes, scan_layers):
-    config = bert.BertConfig.preset(
+    config = BertConfig.preset(
         "tiny", vocab_size=128, attention="cudnn", attention_dropout=0.0, scan_layers=scan_layers
     )
     text = lowered_train_step(config, "cuda")
@@ -188,7 +190,7 @@ def test_train_step_lowers_to_cudnn_fused_attention(cudnn_version_check_passes, 
 def test_packed_rows_reach_cudnn_as_a_bias(cudnn_version_check_passes):
     """jax.nn.dot_product_attention takes padding as lengths only; packed rows go in as a
     [B, 1, S, S] mask, which it hands cuDNN as an additive bias (with its gradient)."""
-    config = bert.BertConfig.preset(
+    config = BertConfig.preset(
         "tiny", vocab_size=128, attention="cudnn", attention_dropout=0.0, scan_layers=False
     )
     text = lowered_train_step(config, "cuda", packed=True)
@@ -197,7 +199,7 @@ def test_packed_rows_reach_cudnn_as_a_bias(cudnn_version_check_passes):
 
 
 def test_train_step_lowers_to_splash_kernels():
-    config = bert.BertConfig.preset(
+    config = BertConfig.preset(
         "tiny", vocab_size=128, attention="splash", attention_dropout=0.0, scan_layers=False
     )
     text = lowered_train_step(config, "tpu")

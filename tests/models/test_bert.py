@@ -6,14 +6,17 @@ import numpy as np
 import pytest
 
 from lambjax import sharding
-from lambjax.models import bert, pretraining
+from lambjax.models import encoder, pretraining
+from lambjax.models.config import BertConfig
+from lambjax.models.encoder import LayerOptions
+from lambjax.models.params import init_params, param_logical_axes
 
-CONFIG = bert.BertConfig.preset("tiny", vocab_size=64, num_layers=3, dtype="float32")
+CONFIG = BertConfig.preset("tiny", vocab_size=64, num_layers=3, dtype="float32")
 
 
 @pytest.fixture(scope="module")
 def params():
-    return bert.init_params(CONFIG, jax.random.key(0))
+    return init_params(CONFIG, jax.random.key(0))
 
 
 def batch(seed=0, b=2, s=12, p=3):
@@ -29,10 +32,16 @@ def batch(seed=0, b=2, s=12, p=3):
     }
 
 
-def hidden(config, params, x, **kwargs):
-    return bert.encoder_outputs(
-        config, params, x["input_ids"], x["segment_ids"], x["input_mask"], **kwargs
+def hidden(config, params, x, options=None):
+    outputs = encoder.encoder_outputs(
+        config,
+        params,
+        x["input_ids"],
+        x["segment_ids"],
+        x["input_mask"],
+        options=options or LayerOptions(),
     )
+    return outputs.hidden_states
 
 
 def test_scan_and_unrolled_are_identical(params):
@@ -117,7 +126,7 @@ def test_bfloat16_gradients_on_8_sharded_devices_match_one_device(params):
         return pretraining.pretraining_stats(bf16, p, x)["mlm_loss_sum"]
 
     mesh = sharding.make_mesh({"data": 2, "fsdp": 2, "tensor": 2})
-    param_shardings = sharding.tree_shardings(params, bert.param_logical_axes(bf16), mesh)
+    param_shardings = sharding.tree_shardings(params, param_logical_axes(bf16), mesh)
     batch_shardings = jax.tree.map(lambda _: sharding.batch_sharding(mesh), x)
     sharded = jax.jit(jax.value_and_grad(loss), in_shardings=(param_shardings, batch_shardings))
     one = jax.jit(jax.value_and_grad(loss))(params, x)
@@ -130,7 +139,7 @@ def test_bfloat16_gradients_on_8_sharded_devices_match_one_device(params):
 def test_presets_have_the_published_parameter_counts():
     def count(name):
         shapes = jax.eval_shape(
-            lambda k: bert.init_params(bert.BertConfig.preset(name), k), jax.random.key(0)
+            lambda k: init_params(BertConfig.preset(name), k), jax.random.key(0)
         )
         return sum(int(np.prod(x.shape)) for x in jax.tree.leaves(shapes))
 
@@ -141,12 +150,10 @@ def test_presets_have_the_published_parameter_counts():
 
 def test_parameters_get_the_rules_shardings_on_8_devices():
     mesh = sharding.make_mesh({"data": 2, "fsdp": 2, "tensor": 2})
-    config = bert.BertConfig.preset("tiny", vocab_size=64)
-    abstract = jax.eval_shape(lambda k: bert.init_params(config, k), jax.random.key(0))
-    shardings = sharding.tree_shardings(abstract, bert.param_logical_axes(config), mesh)
-    params = jax.jit(lambda k: bert.init_params(config, k), out_shardings=shardings)(
-        jax.random.key(0)
-    )
+    config = BertConfig.preset("tiny", vocab_size=64)
+    abstract = jax.eval_shape(lambda k: init_params(config, k), jax.random.key(0))
+    shardings = sharding.tree_shardings(abstract, param_logical_axes(config), mesh)
+    params = jax.jit(lambda k: init_params(config, k), out_shardings=shardings)(jax.random.key(0))
     P = jax.sharding.PartitionSpec
     layers = params["encoder"]["layers"]
     assert layers["attention"]["query"]["kernel"].sharding.spec == P(None, "fsdp", "tensor", None)
@@ -169,14 +176,14 @@ def test_parameters_get_the_rules_shardings_on_8_devices():
 )
 def test_bad_configs_name_the_field(overrides, message):
     with pytest.raises(ValueError, match=message):
-        bert.BertConfig.preset("tiny", **overrides)
+        BertConfig.preset("tiny", **overrides)
     with pytest.raises(ValueError, match="unknown BERT preset 'huge'"):
-        bert.BertConfig.preset("huge")
+        BertConfig.preset("huge")
 
 
 def test_dropped_layer_is_exactly_the_identity(params):
     keep = jnp.asarray([True, False, True])
-    dropped = hidden(CONFIG, params, batch(), layer_keep=keep)
+    dropped = hidden(CONFIG, params, batch(), LayerOptions(keep=keep))
     two_layers = dataclasses.replace(CONFIG, num_layers=2)
     without = {
         **params,
@@ -189,7 +196,8 @@ def test_dropped_layer_is_exactly_the_identity(params):
 
 def test_frozen_layers_get_no_gradient(params):
     def loss(p):
-        stats = pretraining.pretraining_stats(CONFIG, p, batch(), num_frozen_layers=2)
+        options = LayerOptions(num_frozen_layers=2)
+        stats = pretraining.pretraining_stats(CONFIG, p, batch(), options=options)
         return stats["mlm_loss_sum"]
 
     grads = jax.grad(loss)(params)

@@ -9,7 +9,9 @@ import pytest
 import torch
 import transformers
 
-from lambjax.models import bert, hf, pretraining
+from lambjax.models import encoder, hf, pretraining
+from lambjax.models.config import BertConfig
+from lambjax.models.params import init_params
 
 HF_CONFIG = dict(
     vocab_size=99,
@@ -63,7 +65,7 @@ def hf_outputs(path, batch):
 
 def ours(config, params, batch):
     jbatch = {k: jnp.asarray(v, jnp.int32) for k, v in batch.items()}
-    hidden = bert.encode(
+    hidden = encoder.encode(
         config, params, jbatch["input_ids"], jbatch["segment_ids"], jbatch["input_mask"]
     )
     mlm, nsp = pretraining.pretraining_logits(config, params, jbatch)
@@ -125,11 +127,11 @@ def test_bert_model_checkpoint_gets_initialised_heads(tmp_path, caplog):
 
 
 def test_preln_does_not_export(tmp_path):
-    config = bert.BertConfig.preset("tiny", vocab_size=50, layer_norm="pre")
+    config = BertConfig.preset("tiny", vocab_size=50, layer_norm="pre")
     import jax
 
     with pytest.raises(ValueError, match="PostLN"):
-        hf.to_transformers(config, bert.init_params(config, jax.random.key(0)), str(tmp_path))
+        hf.to_transformers(config, init_params(config, jax.random.key(0)), str(tmp_path))
 
 
 def test_tanh_gelu_exports_as_transformers_tanh_gelu(hf_dir, tmp_path):

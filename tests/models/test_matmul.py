@@ -6,7 +6,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from lambjax.models import bert, matmul, pretraining
+from lambjax.models import matmul, pretraining
+from lambjax.models.config import BertConfig
+from lambjax.models.params import init_params
 
 
 def bf16_values(shape, seed):
@@ -113,8 +115,8 @@ def test_matmul_rejects_operands_it_does_not_take():
 def test_the_mlm_decoder_and_its_gradients_keep_bfloat16_operands():
     # Given x.T as a transposed view, XLA:CPU laid it out column-major and ran the
     # decoder's forward and input-gradient products in float32.
-    config = bert.BertConfig.preset("tiny", vocab_size=1000, dtype="bfloat16")
-    params = bert.init_params(config, jax.random.key(0))
+    config = BertConfig.preset("tiny", vocab_size=1000, dtype="bfloat16")
+    params = init_params(config, jax.random.key(0))
     rng = np.random.default_rng(0)
     batch = {
         "input_ids": jnp.asarray(rng.integers(5, 1000, (4, 32)), jnp.int32),

@@ -10,7 +10,9 @@ import numpy as np
 import pytest
 
 from lambjax.data import packing
-from lambjax.models import attention, bert, pretraining
+from lambjax.models import attention, pretraining
+from lambjax.models.config import BertConfig
+from lambjax.models.params import init_params
 
 SEQ, PRED, VOCAB = 128, 20, 96
 # Four rows: a long example with a short one, three short ones, one alone, two of a kind.
@@ -94,7 +96,7 @@ splash_interpreted = functools.partial(attention.splash_attention, interpret=Tru
 def test_packed_rows_give_each_example_its_unpacked_losses_and_gradients(form, monkeypatch):
     if form == "splash":
         monkeypatch.setattr(attention, "splash_attention", splash_interpreted)
-    config = bert.BertConfig.preset(
+    config = BertConfig.preset(
         "tiny",
         vocab_size=VOCAB,
         max_position_embeddings=SEQ,
@@ -104,7 +106,7 @@ def test_packed_rows_give_each_example_its_unpacked_losses_and_gradients(form, m
         attention=form,
         scan_layers=False,
     )
-    params = bert.init_params(config, jax.random.key(0))
+    params = init_params(config, jax.random.key(0))
     examples = unpacked_examples()
     unpacked = {k: jnp.asarray(v) for k, v in examples.items() if k != "lengths"}
     packed = packing.assemble(examples, packed_table(), SEQ, PRED)
@@ -127,10 +129,10 @@ def test_packed_rows_give_each_example_its_unpacked_losses_and_gradients(form, m
 
 
 def test_packed_statistics_count_examples_not_rows():
-    config = bert.BertConfig.preset(
+    config = BertConfig.preset(
         "tiny", vocab_size=VOCAB, max_position_embeddings=SEQ, dtype="float32", attention="xla"
     )
-    params = bert.init_params(config, jax.random.key(1))
+    params = init_params(config, jax.random.key(1))
     examples = unpacked_examples(seed=1)
     unpacked = {k: v for k, v in examples.items() if k != "lengths"}
     packed = packing.assemble(examples, packed_table(), SEQ, PRED)

@@ -12,10 +12,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from lambjax.models import bert, pipeline, pretraining
+from lambjax.models import pipeline, pretraining
+from lambjax.models.config import BertConfig
+from lambjax.models.params import init_params
 from tests.helpers import random_batch
 
-CONFIG = bert.BertConfig(
+CONFIG = BertConfig(
     vocab_size=64,
     hidden_size=16,
     num_layers=4,
@@ -92,7 +94,7 @@ def test_the_stages_chained_are_the_model():
     layers in a Python loop: this small a model compiles for longer than it runs."""
     config = dataclasses.replace(CONFIG, layer_norm="pre", scan_layers=False)
     model = pipeline.StageModel(config, pipeline.Split(3, config.num_layers))
-    params = bert.init_params(config, jax.random.key(0))
+    params = init_params(config, jax.random.key(0))
     batch = jax.tree.map(
         jnp.asarray, random_batch(0, batch=BATCH, seq=SEQ, predictions=2, vocab_size=64)
     )

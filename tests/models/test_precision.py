@@ -11,7 +11,10 @@ import numpy as np
 import pytest
 
 from lambjax import precision
-from lambjax.models import bert
+from lambjax.models import encoder, matmul
+from lambjax.models.config import BertConfig
+from lambjax.models.encoder import LayerOptions
+from lambjax.models.params import init_params
 from tests.helpers import random_batch
 
 NUMPY_DTYPES = {"float16": np.float16, "bfloat16": ml_dtypes.bfloat16, "float32": np.float32}
@@ -254,7 +257,7 @@ def test_bad_matmul_accumulation_settings_are_refused(spec):
         precision.parse_accumulation(spec)
 
 
-SMALL_BERT = bert.BertConfig(
+SMALL_BERT = BertConfig(
     vocab_size=128,
     hidden_size=32,
     num_layers=1,
@@ -268,7 +271,7 @@ SMALL_BERT = bert.BertConfig(
 @functools.cache
 def small_bert_params():
     # Jitted: eager initialisation runs op by op. The same parameters for every accumulation.
-    return jax.jit(bert.init_params, static_argnums=0)(SMALL_BERT, jax.random.key(0))
+    return jax.jit(init_params, static_argnums=0)(SMALL_BERT, jax.random.key(0))
 
 
 def encoder_states(accumulation: str) -> np.ndarray:
@@ -277,7 +280,7 @@ def encoder_states(accumulation: str) -> np.ndarray:
     routing happens)."""
     config = dataclasses.replace(SMALL_BERT, matmul_accumulation=accumulation)
     batch = random_batch(seq=16, batch=4)
-    encode = jax.jit(functools.partial(bert.encode, config))
+    encode = jax.jit(functools.partial(encoder.encode, config))
     inputs = (batch["input_ids"], batch["segment_ids"], batch["input_mask"])
     return np.asarray(encode(small_bert_params(), *inputs))
 
@@ -292,6 +295,27 @@ def test_the_encoder_routes_its_matmuls_through_chunked_dot():
     assert np.max(np.abs(states16 - states)) > 1e-5
 
 
+def test_a_dot_general_in_the_layer_options_runs_the_encoder_layers_matmuls():
+    """The options' matmul replaces the config's in each layer's six Dense layers (query,
+    key, value, attention output, intermediate, output), and only there."""
+    kernels = []
+
+    def recording(lhs, rhs, *args, **kwargs):
+        kernels.append(rhs.shape)
+        return matmul.dense_dot_general(lhs, rhs, *args, **kwargs)
+
+    batch = random_batch(seq=16, batch=4)
+    inputs = (batch["input_ids"], batch["segment_ids"], batch["input_mask"])
+    options = LayerOptions(dot_general=recording)
+    forward = jax.jit(functools.partial(encoder.encoder_outputs, SMALL_BERT, options=options))
+    states, _ = forward(small_bert_params(), *inputs)
+    np.testing.assert_array_equal(states, encoder_states("float32"))
+    heads = (2, 16)
+    assert sorted(kernels) == sorted([(32, *heads)] * 3 + [(*heads, 32), (32, 64), (64, 32)]), (
+        kernels
+    )
+
+
 def test_a_bad_model_accumulation_names_the_field():
     with pytest.raises(ValueError, match="BertConfig.matmul_accumulation='float16:64'"):
-        bert.BertConfig(matmul_accumulation="float16:64")
+        BertConfig(matmul_accumulation="float16:64")

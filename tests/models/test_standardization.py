@@ -10,14 +10,17 @@ import numpy as np
 import optax
 import pytest
 
-from lambjax.models import bert, hf, standardization
+from lambjax.models import bert, encoder, hf, standardization
+from lambjax.models.config import BertConfig
+from lambjax.models.encoder import LayerOptions
+from lambjax.models.params import init_params
 from lambjax.train import step as step_lib
 from lambjax.train.config import optimizer_config
 from lambjax.train.optimizer import make_optimizer
 from lambjax.train.state import TrainState
 from tests.helpers import random_batch
 
-CONFIG = bert.BertConfig(
+CONFIG = BertConfig(
     vocab_size=128,
     hidden_size=32,
     num_layers=1,
@@ -33,7 +36,7 @@ CONFIG = bert.BertConfig(
 @functools.cache
 def initial_params():
     # Jitted: eager initialisation runs op by op.
-    return jax.jit(bert.init_params, static_argnums=0)(CONFIG, jax.random.key(0))
+    return jax.jit(init_params, static_argnums=0)(CONFIG, jax.random.key(0))
 
 
 def numpy_standardization_loss(x, token_mask):
@@ -69,21 +72,18 @@ def test_it_attaches_to_every_tensor_a_layer_norm_normalized(layer_norm):
     the scale and bias that replace its LayerNorm."""
     # Unrolled layers here; the training test below runs the scanned form.
     config = dataclasses.replace(CONFIG, scan_layers=False, layer_norm=layer_norm)
-    params = jax.jit(bert.init_params, static_argnums=0)(config, jax.random.key(0))
+    params = jax.jit(init_params, static_argnums=0)(config, jax.random.key(0))
     params = jax.tree.map(  # non-trivial scales and biases
         lambda x: x + 0.1 * jax.random.normal(jax.random.key(1), x.shape), params
     )
     batch = random_batch(seq=12, batch=4, vocab_size=128)
     batch["input_mask"] = padded_mask(4, 12, 2)
-    encode = jax.jit(
-        functools.partial(
-            bert.encoder_outputs_and_standardization_loss, config, standardization_loss=True
-        )
-    )
+    options = LayerOptions(standardization_site="residual")
+    encode = jax.jit(functools.partial(encoder.encoder_outputs, config, options=options))
     h, loss = encode(params, batch["input_ids"], batch["segment_ids"], batch["input_mask"])
     embeddings = params["embeddings"]
     layer = jax.tree.map(lambda x: x[0], params["encoder"]["layers"])
-    bias = bert.attention_bias(batch["input_mask"])
+    bias = encoder.attention_bias(batch["input_mask"])
 
     def affine(x, norm):
         return x * norm["scale"] + norm["bias"]
@@ -154,7 +154,7 @@ def test_at_the_preactivations_it_is_the_loss_of_each_ffn_input_to_gelu():
     captured with Flax's intermediates), nothing from the residual sums; the outputs are
     those of the residual placement, the loss is not."""
     config = dataclasses.replace(CONFIG, num_layers=2)
-    params = jax.jit(bert.init_params, static_argnums=0)(config, jax.random.key(0))
+    params = jax.jit(init_params, static_argnums=0)(config, jax.random.key(0))
     batch = random_batch(seq=12, batch=4, vocab_size=128)
     batch["input_mask"] = padded_mask(4, 12, 3)
     inputs = (batch["input_ids"], batch["segment_ids"], batch["input_mask"])
@@ -162,10 +162,7 @@ def test_at_the_preactivations_it_is_the_loss_of_each_ffn_input_to_gelu():
     def encode(site):
         return jax.jit(
             functools.partial(
-                bert.encoder_outputs_and_standardization_loss,
-                config,
-                standardization_loss=True,
-                standardization_site=site,
+                encoder.encoder_outputs, config, options=LayerOptions(standardization_site=site)
             )
         )(params, *inputs)
 
@@ -175,7 +172,7 @@ def test_at_the_preactivations_it_is_the_loss_of_each_ffn_input_to_gelu():
     x = bert.Embeddings(config).apply(
         {"params": params["embeddings"]}, batch["input_ids"], batch["segment_ids"], True
     )
-    bias = bert.attention_bias(batch["input_mask"])
+    bias = encoder.attention_bias(batch["input_mask"])
     preactivations = []
     for i in range(2):
         layer = jax.tree.map(lambda p, i=i: p[i], params["encoder"]["layers"])

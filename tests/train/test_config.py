@@ -6,7 +6,7 @@ import re
 import jax
 import pytest
 
-from lambjax.models import bert
+from lambjax.models.config import BertConfig
 from lambjax.train import config as config_lib
 from lambjax.train import plan as plan_lib
 from lambjax.train import prng
@@ -411,4 +411,4 @@ def test_the_gelu_form_reaches_every_phase_model():
     config.model.overrides.gelu_approximate = True
     assert all(p.model.gelu_approximate for p in validate(config, num_devices=8).phases)
     with pytest.raises(ValueError, match=r"gelu_approximate='tanh'; valid: True \(tanh\)"):
-        bert.BertConfig(gelu_approximate="tanh")
+        BertConfig(gelu_approximate="tanh")

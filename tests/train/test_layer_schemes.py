@@ -9,7 +9,10 @@ import numpy as np
 import optax
 import pytest
 
-from lambjax.models import bert, pretraining
+from lambjax.models import bert, encoder, pretraining
+from lambjax.models.config import BertConfig
+from lambjax.models.encoder import LayerOptions
+from lambjax.models.params import init_params, param_logical_axes
 from lambjax.train import config as config_lib
 from lambjax.train import plan, stacking, throughput, variants
 from lambjax.train import step as step_lib
@@ -19,9 +22,7 @@ from lambjax.train.optimizer import learning_rate_schedule, make_optimizer
 from lambjax.train.state import TrainState
 from tests.helpers import dot_flops, random_batch
 
-CONFIG = bert.BertConfig.preset(
-    "tiny", vocab_size=128, num_layers=4, dtype="float32", layer_norm="pre"
-)
+CONFIG = BertConfig.preset("tiny", vocab_size=128, num_layers=4, dtype="float32", layer_norm="pre")
 
 
 @functools.cache
@@ -40,7 +41,7 @@ def run_steps(name="lamb", steps=3, accum=2, **step_kwargs):
             **step_kwargs,
         )
     )
-    params = bert.init_params(CONFIG, jax.random.key(0))
+    params = init_params(CONFIG, jax.random.key(0))
     frozen = step_kwargs.get("num_frozen_layers", 0)
     decoder = step_kwargs.get("train_decoder", False)
     state = TrainState.create(params, optimizer(name), frozen, train_decoder=decoder)
@@ -153,9 +154,9 @@ def test_dropping_gives_the_same_step_on_8_sharded_devices():
     drop = LayerDrop(theta_bar=0.5, gamma=2.0)
     _, single, single_metrics = run_steps(steps=3, layer_drop=drop)
     mesh = sharding.make_mesh({"data": 4, "fsdp": 2, "tensor": 1})
-    params = bert.init_params(CONFIG, jax.random.key(0))
+    params = init_params(CONFIG, jax.random.key(0))
     state = TrainState.create(params, optimizer("lamb"))
-    param_shardings = sharding.tree_shardings(params, bert.param_logical_axes(CONFIG), mesh)
+    param_shardings = sharding.tree_shardings(params, param_logical_axes(CONFIG), mesh)
     state = state.replace(params=jax.device_put(state.params, param_shardings))
     step = jax.jit(
         functools.partial(
@@ -181,7 +182,7 @@ def test_dropping_gives_the_same_step_on_8_sharded_devices():
 
 
 def test_split_and_merge_are_inverse():
-    params = bert.init_params(CONFIG, jax.random.key(0))
+    params = init_params(CONFIG, jax.random.key(0))
     trainable, frozen = stacking.split(params, 3)
     assert "embeddings" not in trainable
     assert jax.tree.leaves(trainable["encoder"]["layers"])[0].shape[0] == 1
@@ -209,7 +210,7 @@ def test_frozen_layers_and_embeddings_stay_bit_identical_through_a_stage():
 
 
 def test_optimizer_state_exists_only_for_the_trained_layers():
-    params = bert.init_params(CONFIG, jax.random.key(0))
+    params = init_params(CONFIG, jax.random.key(0))
     trainable, _ = stacking.split(params, 3)
     state = TrainState.create(params, optimizer("lans"), num_frozen_layers=3)
     shapes = lambda tree: [x.shape for x in jax.tree.leaves(tree)]  # noqa: E731
@@ -222,14 +223,15 @@ def test_optimizer_state_exists_only_for_the_trained_layers():
 def test_no_backward_pass_runs_through_frozen_layers():
     """The traced matmuls of the gradient: forward everywhere, backward above the frozen."""
     config = dataclasses.replace(CONFIG, scan_layers=False)
-    params = bert.init_params(config, jax.random.key(0))
+    params = init_params(config, jax.random.key(0))
     x = random_batch(0)
     frozen_count = 3
     trainable, frozen = stacking.split(params, frozen_count)
 
     def loss(trainable):
         merged = stacking.merge(trainable, frozen)
-        stats = pretraining.pretraining_stats(config, merged, x, num_frozen_layers=frozen_count)
+        options = LayerOptions(num_frozen_layers=frozen_count)
+        stats = pretraining.pretraining_stats(config, merged, x, options=options)
         return stats["mlm_loss_sum"]
 
     traced = dot_flops(jax.make_jaxpr(jax.grad(loss))(trainable).jaxpr)
@@ -243,8 +245,8 @@ def test_no_backward_pass_runs_through_frozen_layers():
 
 
 def test_grow_layers_copies_the_top_layers():
-    config = bert.BertConfig.preset("tiny", vocab_size=64, num_layers=3, dtype="float32")
-    params = bert.init_params(config, jax.random.key(0))
+    config = BertConfig.preset("tiny", vocab_size=64, num_layers=3, dtype="float32")
+    params = init_params(config, jax.random.key(0))
     grown_config, grown = stacking.grow_layers(config, params, 5)
     assert grown_config.num_layers == 5
     src = params["encoder"]["layers"]["mlp"]["output"]["kernel"]
@@ -326,18 +328,19 @@ def test_the_trained_decoder_gradient_is_the_output_projection_part(scan_layers)
     loss differentiated with respect to the matrix the heads project onto, the encoder's
     output held fixed. Trained from the input as well (no frozen layers), it differs."""
     config = dataclasses.replace(CONFIG, scan_layers=scan_layers)
-    params = bert.init_params(config, jax.random.key(0))
+    params = init_params(config, jax.random.key(0))
     x = random_batch(0)
     trainable, frozen = stacking.split(params, 2, train_decoder=True)
 
     def stage_loss(trainable):
         merged = stacking.merge(trainable, frozen)
-        return pretraining.pretraining_stats(config, merged, x, num_frozen_layers=2)["mlm_loss_sum"]
+        stats = pretraining.pretraining_stats(
+            config, merged, x, options=LayerOptions(num_frozen_layers=2)
+        )
+        return stats["mlm_loss_sum"]
 
     gradient = jax.grad(stage_loss)(trainable)["embeddings"]["word"]["embedding"]
-    hidden, _ = bert.encoder_outputs_and_standardization_loss(
-        config, params, x["input_ids"], x["segment_ids"], x["input_mask"]
-    )
+    hidden = encoder.encode(config, params, x["input_ids"], x["segment_ids"], x["input_mask"])
 
     def decoder_loss(decoder):
         logits = bert.Heads(config).apply(

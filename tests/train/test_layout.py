@@ -14,7 +14,9 @@ import optax
 import pytest
 from jax._src.cudnn import fused_attention_stablehlo
 
-from lambjax.models import bert, layer_layout
+from lambjax.models import layer_layout
+from lambjax.models.config import BertConfig
+from lambjax.models.params import init_params, param_logical_axes
 from lambjax.train import checkpointing, layout, stacking
 from lambjax.train import step as step_lib
 from lambjax.train.config import optimizer_config
@@ -26,8 +28,8 @@ from tests.helpers import random_batch
 # Three layers: no other array of the model has a leading axis of 3, so a stacked layer leaf
 # is recognised by its shape in the compiled text.
 LAYERS = 3
-CONFIG = bert.BertConfig.preset("tiny", vocab_size=128, num_layers=LAYERS, dtype="float32")
-UNROLLED = bert.BertConfig.preset(
+CONFIG = BertConfig.preset("tiny", vocab_size=128, num_layers=LAYERS, dtype="float32")
+UNROLLED = BertConfig.preset(
     "tiny", vocab_size=128, num_layers=LAYERS, dtype="float32", scan_layers=False
 )
 
@@ -38,7 +40,7 @@ def optimizer(name):
 
 
 def stacked_state(name, num_frozen_layers=0, config=CONFIG):
-    params = bert.init_params(config, jax.random.key(0))
+    params = init_params(config, jax.random.key(0))
     return TrainState.create(params, optimizer(name), num_frozen_layers)
 
 
@@ -105,8 +107,8 @@ def test_to_running_and_to_rest_are_exact_inverses(name, num_frozen_layers):
 
 
 def test_running_logical_axes_drop_the_layers_axis():
-    axes = layout.running_param_axes(bert.param_logical_axes(CONFIG), LAYERS)
-    stacked = bert.param_logical_axes(CONFIG)["encoder"]["layers"]["mlp"]["intermediate"]
+    axes = layout.running_param_axes(param_logical_axes(CONFIG), LAYERS)
+    stacked = param_logical_axes(CONFIG)["encoder"]["layers"]["mlp"]["intermediate"]
     assert stacked["kernel"] == jax.sharding.PartitionSpec("layers", "embed", "mlp")
     assert axes["encoder"]["layers_2"]["mlp"]["intermediate"]["kernel"] == (
         jax.sharding.PartitionSpec("embed", "mlp")
@@ -190,7 +192,7 @@ def cudnn_version_check_passes(monkeypatch):
 
 
 def stacked_leaf_shapes() -> set[tuple]:
-    params = jax.eval_shape(lambda: bert.init_params(CONFIG, jax.random.key(0)))
+    params = jax.eval_shape(lambda: init_params(CONFIG, jax.random.key(0)))
     return {x.shape for x in jax.tree.leaves(params["encoder"]["layers"])}
 
 
@@ -239,7 +241,7 @@ def test_the_unrolled_step_assembles_no_stacked_gradient(cudnn_version_check_pas
     leaf one pad per layer, summed: XLA keeps them (CPU) or turns them into concatenations
     and dynamic-update-slices (GPU), a copy of every layer's gradient each step. Held one
     tree per layer, nothing of a stacked shape is built in the step at all."""
-    params = jax.eval_shape(lambda: bert.init_params(CONFIG, jax.random.key(0)))
+    params = jax.eval_shape(lambda: init_params(CONFIG, jax.random.key(0)))
     per_leaf = len(jax.tree.leaves(params["encoder"]["layers"]))
     cuda, cpu = assembling_ops(*lowered_and_compiled(UNROLLED, per_layer=False))
     assert cuda >= per_leaf * LAYERS and cpu >= per_leaf * LAYERS, (cuda, cpu)

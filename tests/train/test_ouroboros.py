@@ -17,7 +17,9 @@ import optax
 import pytest
 
 from lambjax import sharding
-from lambjax.models import bert, pipeline, pretraining
+from lambjax.models import bert, encoder, pipeline, pretraining
+from lambjax.models.config import BertConfig
+from lambjax.models.params import init_params, param_logical_axes
 from lambjax.train import ouroboros
 from lambjax.train import state as state_lib
 from lambjax.train import step as step_lib
@@ -33,7 +35,7 @@ from tests.helpers import (
     wait_for_checkpoint,
 )
 
-CONFIG = bert.BertConfig(
+CONFIG = BertConfig(
     vocab_size=64,
     hidden_size=16,
     num_layers=4,
@@ -59,7 +61,7 @@ def pipelined(split, optimizer, *, data=1, replay="stale", config=CONFIG, **sett
     mesh = sharding.make_mesh(
         {"stage": split.stages, "data": data}, jax.devices()[: split.stages * data]
     )
-    params = bert.init_params(config, jax.random.key(0))
+    params = init_params(config, jax.random.key(0))
     pipeline = ouroboros.init_pipeline(
         split, params, global_batch_size=BATCH, seq_len=SEQ, dtype=jnp.float32, replay=replay
     )
@@ -67,7 +69,7 @@ def pipelined(split, optimizer, *, data=1, replay="stale", config=CONFIG, **sett
     abstract = jax.eval_shape(lambda: state)
     shardings = state_lib.shardings(
         abstract,
-        param_axes=bert.param_logical_axes(config),
+        param_axes=param_logical_axes(config),
         mesh=mesh,
         optimizer=optimizer,
         num_frozen_layers=0,
@@ -105,7 +107,7 @@ def backprop_gradients(params, batch, step, config=CONFIG):
     nsp_total = jnp.float32(BATCH)
 
     def loss(params, word_out, microbatch, rng):
-        h = bert.encoder_outputs(
+        h, _ = encoder.encoder_outputs(
             config,
             params,
             microbatch["input_ids"],

@@ -11,7 +11,8 @@ import optax
 import pytest
 
 from lambjax import sharding
-from lambjax.models import bert
+from lambjax.models.config import BertConfig
+from lambjax.models.params import init_params, param_logical_axes
 from lambjax.train import config as config_lib
 from lambjax.train import plan as plan_lib
 from lambjax.train import state as state_lib
@@ -21,7 +22,7 @@ from lambjax.train.optimizer import make_optimizer
 from lambjax.train.state import TrainState
 from tests import helpers
 
-CONFIG = bert.BertConfig.preset(
+CONFIG = BertConfig.preset(
     "tiny", vocab_size=128, num_layers=2, dtype="float32", hidden_dropout=0.0, attention_dropout=0.0
 )
 ACCUM = 4
@@ -37,7 +38,7 @@ def compiled_step(once: bool):
     abstract = jax.eval_shape(init_state)
     state_shardings = state_lib.shardings(
         abstract,
-        param_axes=bert.param_logical_axes(CONFIG),
+        param_axes=param_logical_axes(CONFIG),
         mesh=mesh,
         optimizer=optimizer,
         num_frozen_layers=0,
@@ -63,7 +64,7 @@ def compiled_step(once: bool):
 
 def init_state():
     optimizer = make_optimizer(optimizer_config("lamb"), optax.constant_schedule(1e-3))
-    return TrainState.create(bert.init_params(CONFIG, jax.random.key(0)), optimizer)
+    return TrainState.create(init_params(CONFIG, jax.random.key(0)), optimizer)
 
 
 def random_batch():

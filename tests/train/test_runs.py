@@ -292,7 +292,8 @@ def test_export_from_a_relative_workdir_predicts_as_lambjax(reference, tmp_path)
     import transformers
 
     from lambjax.data import tokenization
-    from lambjax.models import bert, pretraining
+    from lambjax.models import pretraining
+    from lambjax.models.config import BertConfig
     from lambjax.train import checkpointing
 
     shutil.copytree(reference, tmp_path / "run")
@@ -309,7 +310,7 @@ def test_export_from_a_relative_workdir_predicts_as_lambjax(reference, tmp_path)
     )
 
     meta, params = checkpointing.latest_params(str(tmp_path / "run"))
-    config = bert.BertConfig(**{**meta["model_config"], "dtype": "float32"})
+    config = BertConfig(**{**meta["model_config"], "dtype": "float32"})
     ours = tokenization.load(meta["vocab_file"], lower_case=True)
     fill = transformers.pipeline("fill-mask", model=str(tmp_path / "exported"), top_k=3)
     for sentence in (

@@ -9,7 +9,9 @@ import optax
 import pytest
 
 from lambjax import optim
-from lambjax.models import bert, pretraining
+from lambjax.models import pretraining
+from lambjax.models.config import BertConfig
+from lambjax.models.params import init_params
 from lambjax.train import stacking, trainer
 from lambjax.train import step as step_lib
 from lambjax.train.config import optimizer_config
@@ -18,7 +20,7 @@ from lambjax.train.state import TrainState
 from tests import helpers
 from tests.optim.references import update_and_apply
 
-CONFIG = bert.BertConfig.preset(
+CONFIG = BertConfig.preset(
     "tiny", vocab_size=128, num_layers=2, dtype="float32", hidden_dropout=0.0, attention_dropout=0.0
 )
 BATCH, SEQ, PRED = 8, 16, 4
@@ -48,7 +50,7 @@ def jitted_step(optimizer, accum, num_frozen_layers=0):
 
 
 def fresh_state(optimizer, num_frozen_layers=0):
-    params = bert.init_params(CONFIG, jax.random.key(0))
+    params = init_params(CONFIG, jax.random.key(0))
     return TrainState.create(params, optimizer, num_frozen_layers)
 
 

@@ -6,16 +6,18 @@ import jax
 import numpy as np
 import pytest
 
-from lambjax.models import bert, pretraining
+from lambjax.models import pretraining
+from lambjax.models.config import BertConfig
+from lambjax.models.params import init_params
 from lambjax.train import throughput
 from tests.helpers import dot_flops, random_batch
 
-CONFIG = bert.BertConfig.preset("tiny", vocab_size=64, num_layers=3, dtype="float32")
+CONFIG = BertConfig.preset("tiny", vocab_size=64, num_layers=3, dtype="float32")
 
 
 def test_train_step_flops_match_a_count_of_the_traced_matmuls():
     config = dataclasses.replace(CONFIG, scan_layers=False)
-    params = bert.init_params(config, jax.random.key(0))
+    params = init_params(config, jax.random.key(0))
     x = random_batch(0, batch=2, seq=12, predictions=3, vocab_size=config.vocab_size)
 
     def loss(p):
