@@ -8,10 +8,10 @@ data options, the variants' settings). Nothing downstream reads the config again
 from the previous phase reads `PhasePlan.previous`.
 
 Checks live beside their feature and are collected here, in one pass, before anything is
-built: the run's and the phases' own fields below; progressive layer dropping in
-lambjax.train.layer_drop; multi-stage layerwise training in lambjax.train.layerwise; the
-standardization loss in lambjax.models.standardization; a step method's
-(`config.step_method`, lambjax.train.method) in its own module; packing in
+built: the run's and the phases' own fields in lambjax.train.plan_checks; progressive layer
+dropping in lambjax.train.layer_drop; multi-stage layerwise training in
+lambjax.train.layerwise; the standardization loss in lambjax.models.standardization; a step
+method's (`config.step_method`, lambjax.train.method) in its own module; packing in
 lambjax.data.packing; the PRNG implementation in lambjax.train.prng; the gradient's
 reduction in lambjax.train.reduction. Each raises `ConfigError` (a ValueError) naming the
 field, the value and what would be valid.
@@ -28,14 +28,9 @@ import ml_collections
 from lambjax import sharding
 from lambjax.data import packing as packing_lib
 from lambjax.models import bert, standardization
-from lambjax.train import layer_drop, layerwise, prng, reduction
+from lambjax.train import layer_drop, layerwise, plan_checks, prng, reduction
 from lambjax.train import method as method_lib
-from lambjax.train.config import (
-    OPTIMIZER_STATE_AT_PHASE_START,
-    OPTIMIZERS,
-    SCHEDULES,
-    ConfigError,
-)
+from lambjax.train.config import OPTIMIZERS, ConfigError
 
 
 @dataclasses.dataclass(frozen=True)
@@ -148,16 +143,16 @@ class RunPlan:
 
 def resolve(config, *, vocab_size: int, num_devices: int, process_count: int = 1) -> RunPlan:
     """The run plan of `config`, checked; raises ConfigError naming the first bad field."""
-    _check_run(config, process_count)
+    plan_checks.check_run(config, process_count)
     method = method_lib.load(config.step_method)
-    _check_features(  # the variants' own settings, before the phase plans hold them
+    plan_checks.run_checks(  # the variants' own settings, before the phase plans hold them
         lambda: layer_drop.check_settings(config.layer_drop),
         lambda: method and method.check_settings(config),
         lambda: prng.check(config.prng_impl),
         lambda: standardization.check_site(config.standardization_loss.site),
     )
     spans = {}
-    _check_features(
+    plan_checks.run_checks(
         lambda: spans.update(layerwise.schedule_spans(config.phases, config.phase_order))
     )
     step_method = method.plan(config) if method else None
@@ -177,12 +172,12 @@ def resolve(config, *, vocab_size: int, num_devices: int, process_count: int = 1
         )
         phases.append(phase)
         previous, step_offset = phase, step_offset + phase.num_steps
-    _check_features(  # the variants against the phase plans
+    plan_checks.run_checks(  # the variants against the phase plans
         lambda: layer_drop.check(config.layer_drop, phases),
         lambda: standardization.check(config.standardization_loss.weight, phases),
         lambda: layerwise.check(phases),
         lambda: method and method.check(config, phases),
-        lambda: check_stages(phases),
+        lambda: plan_checks.check_stages(phases),
         lambda: reduction.check(config.gradient_reduction, phases),
     )
     return RunPlan(
@@ -205,55 +200,6 @@ def resolve(config, *, vocab_size: int, num_devices: int, process_count: int = 1
     )
 
 
-def _check_features(*checks) -> None:
-    """Runs the variants' checks, each in its feature's module; their ValueErrors, which
-    name the config field, become ConfigErrors."""
-    for check in checks:
-        try:
-            check()
-        except ConfigError:
-            raise
-        except ValueError as error:
-            raise ConfigError(str(error)) from None
-
-
-def check_stages(phases) -> None:
-    """The mesh axis `stage` splits the encoder's layers for a step method that runs them
-    in stages; the core step runs none."""
-    for phase in phases:
-        stages = phase.mesh["stage"]
-        if stages > 1 and phase.step_method is None:
-            raise ConfigError(
-                f"config.phases.{phase.name}: mesh stage={stages} splits the encoder into "
-                "stages, which the core train step does not run; set mesh stage=1, or a "
-                "config.step_method that runs stages (e.g. the variant ouroboros)"
-            )
-
-
-def _check_run(config, process_count: int) -> None:
-    if not config.phase_order:
-        raise ConfigError("config.phase_order is empty: name at least one phase")
-    unknown = [p for p in config.phase_order if p not in config.phases]
-    if unknown:
-        raise ConfigError(
-            f"config.phase_order names {unknown}, which are not in config.phases "
-            f"({sorted(config.phases.keys())})"
-        )
-    for field in ("log_every_steps", "eval_every_steps", "checkpoint_every_steps"):
-        if config[field] <= 0:
-            raise ConfigError(f"config.{field}={config[field]} must be a positive integer")
-    if not config.checkpoint_every_minutes >= 0:
-        raise ConfigError(
-            f"config.checkpoint_every_minutes={config.checkpoint_every_minutes} must be >= 0 "
-            "(0: checkpoints by steps only)"
-        )
-    if config.eval_batch_size <= 0 or config.eval_batch_size % process_count:
-        raise ConfigError(
-            f"config.eval_batch_size={config.eval_batch_size} must be positive and divisible "
-            f"by the number of processes ({process_count})"
-        )
-
-
 def _phase(
     config,
     name,
@@ -267,7 +213,7 @@ def _phase(
     process_count,
 ) -> PhasePlan:
     phase, where = config.phases[name], f"config.phases.{name}"
-    _check_phase_fields(phase, where)
+    plan_checks.check_phase_fields(phase, where)
     optimizer = _optimizer(config, name)
     if previous is not None and phase.optimizer_state == "keep":
         if previous.optimizer.name != optimizer.name:
@@ -332,31 +278,6 @@ def _schedule(phase, span: tuple[int, int]) -> SchedulePlan:
         constant_fraction=phase.constant_fraction,
         decay_power=phase.decay_power,
     )
-
-
-def _check_phase_fields(phase, where: str) -> None:
-    for field in ("max_seq_length", "max_predictions_per_seq", "global_batch_size", "num_steps"):
-        if phase[field] <= 0:
-            raise ConfigError(f"{where}.{field}={phase[field]} must be a positive integer")
-    if phase.max_predictions_per_seq > phase.max_seq_length:
-        raise ConfigError(
-            f"{where}.max_predictions_per_seq={phase.max_predictions_per_seq} exceeds "
-            f"max_seq_length={phase.max_seq_length}"
-        )
-    if phase.learning_rate <= 0:
-        raise ConfigError(f"{where}.learning_rate={phase.learning_rate} must be positive")
-    if phase.schedule not in SCHEDULES:
-        raise ConfigError(f"{where}.schedule={phase.schedule!r}; valid: {SCHEDULES}")
-    if not 0 <= phase.warmup_fraction + phase.constant_fraction <= 1:
-        raise ConfigError(
-            f"{where}: warmup_fraction + constant_fraction = "
-            f"{phase.warmup_fraction + phase.constant_fraction} must lie in [0, 1]"
-        )
-    if phase.optimizer_state not in OPTIMIZER_STATE_AT_PHASE_START:
-        raise ConfigError(
-            f"{where}.optimizer_state={phase.optimizer_state!r}; "
-            f"valid: {OPTIMIZER_STATE_AT_PHASE_START}"
-        )
 
 
 def _packing(data_config, max_seq_length: int) -> packing_lib.Packing | None:
