@@ -100,17 +100,19 @@ def lambjax_seconds(case: Case, config: BertConfig, args) -> float:
     train_step = jax.jit(
         functools.partial(
             step_lib.train_step,
-            model_config=config,
-            optimizer=optimizer,
-            schedule=schedule,
-            grad_accum_steps=case.grad_accum,
+            settings=step_lib.StepSettings(
+                model_config=config,
+                optimizer=optimizer,
+                schedule=schedule,
+                grad_accum_steps=case.grad_accum,
+            ),
         ),
         donate_argnums=(0,),
     )
 
     def init_state(key):  # held as the trainer's steps hold it (lambjax.train.layout)
         state = TrainState.create(init_params(config, key), optimizer)
-        return layout.to_running(state, 0) if layout.per_layer(config, False) else state
+        return layout.to_running(state, 0) if layout.per_layer(config) else state
 
     state = jax.jit(init_state, out_shardings=NamedSharding(mesh, PartitionSpec()))(
         jax.random.key(0)

@@ -134,10 +134,12 @@ def make_step(vocab_size: int):
     train_step = jax.jit(
         functools.partial(
             step_lib.train_step,
-            model_config=config,
-            optimizer=optimizer,
-            schedule=schedule,
-            grad_accum_steps=1,
+            settings=step_lib.StepSettings(
+                model_config=config,
+                optimizer=optimizer,
+                schedule=schedule,
+                grad_accum_steps=1,
+            ),
         ),
         donate_argnums=(0,),
     )

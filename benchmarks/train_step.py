@@ -109,10 +109,12 @@ def lambjax_step(model, dtype, scan_layers=None):
     train_step = jax.jit(
         functools.partial(
             step_lib.train_step,
-            model_config=config,
-            optimizer=optimizer,
-            schedule=optax.constant_schedule(1e-3),
-            grad_accum_steps=1,
+            settings=step_lib.StepSettings(
+                model_config=config,
+                optimizer=optimizer,
+                schedule=optax.constant_schedule(1e-3),
+                grad_accum_steps=1,
+            ),
         ),
         donate_argnums=(0,),
     )

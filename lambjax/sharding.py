@@ -9,7 +9,7 @@ Mesh axes:
   fsdp:   data parallelism with parameters and optimizer state sharded (ZeRO-3 style).
   tensor: tensor (model) parallelism inside attention and MLP blocks.
   stage:  the encoder's layers split into consecutive stages, one per device along the axis:
-          the stages of Ouroboros' model parallelism (lambjax.train.ouroboros); size 1
+          the stages of Ouroboros' model parallelism (lambjax.contrib.ouroboros); size 1
           otherwise.
 """
 

@@ -314,7 +314,7 @@ def finetune(config, workdir: str) -> dict:
     stop = distributed.StopRequest()
     try:
         job = FinetuneJob(config, run, steps, writer, ckpt, meta, first_step=step)
-        state, step, stopped = train_loop.run(job, state, step, stop)
+        state, step, stopped = train_loop.run_job(job, state, step, stop)
         if stopped:
             logging.info("Stopped at step %d; rerun the same command to continue.", step)
             return {}

@@ -12,11 +12,11 @@ A config is an `ml_collections.ConfigDict`:
   gradient_reduction: each_microbatch | once (lambjax.train.reduction)
   layer_drop: progressive layer dropping (off by default; lambjax.train.layer_drop)
   standardization_loss: its weight (0: off) and site (lambjax.models.standardization)
-  ouroboros:  model parallelism with delayed gradients: its number of modules K (1: off) and
-              how a module replays (lambjax.train.ouroboros); needs mesh stage = K - 1
+  step_method: the module of a method that replaces the train step ("" = the core step;
+              lambjax.train.method), with the fields that method adds (e.g. Ouroboros')
   phases:     name -> phase (sequence length, global batch, accumulation, steps, schedule,
               optional `optimizer` / `mesh` overrides, and the encoder depth and frozen
-              bottom layers of a multi-stage layerwise training stage: lambjax.train.stacking)
+              bottom layers of a multi-stage layerwise training stage: lambjax.train.layerwise)
   phase_order: the phase names in the order they run.
 
 The recipes are the files in configs/; the variants every config accepts (`runlocal`, `pld`,
@@ -162,16 +162,9 @@ def base_config() -> ml_collections.ConfigDict:
     # attaches, "residual" (the tensors the removed LayerNorms normalized) or
     # "preactivation" (each FFN's intermediate output before GELU, as in the paper).
     config.standardization_loss = ml_collections.ConfigDict({"weight": 0.0, "site": "residual"})
-    # Ouroboros (Yang et al. 2019): the encoder cut into num_modules modules on num_modules - 1
-    # pipeline stages (mesh axis `stage`), each updated with a delayed gradient; 1 = off.
-    # replay: "stale" (the delayed gradient exactly, as DDG defines it; keeps the last
-    # num_modules - 1 steps' weights) or "current" (Features Replay: current weights).
-    # synchronous_steps: a warm-up of that many steps of ordinary backpropagation at the
-    # start of every phase, before the pipeline fills (the paper mentions a warm-up whose
-    # form could not be read; the recipes' learning-rate warm-up applies either way).
-    config.ouroboros = ml_collections.ConfigDict(
-        {"num_modules": 1, "replay": "stale", "synchronous_steps": 0}
-    )
+    # A method that replaces the train step: the module that provides it (lambjax.train.method),
+    # e.g. "lambjax.contrib.ouroboros", which adds its own fields; "" = the core step.
+    config.step_method = ""
     config.phases = ml_collections.ConfigDict()
     config.phase_order = ()
     config.log_every_steps = 10

@@ -1,7 +1,7 @@
 """The encoder layers in the train state: stacked at rest, one tree per layer in an unrolled
 run's steps.
 
-At rest (checkpoints, the transformers export, MSLT's growth, Ouroboros' stages, layer
+At rest (checkpoints, the transformers export, MSLT's growth, a step method's stages, layer
 dropping's indices) `encoder/layers` is one tree whose leaves stack the layers on their
 leading axis. An unrolled step (`scan_layers=False`) that reads layer i as a slice of that
 tree differentiates the slice: the gradient of every stacked leaf is then assembled from the
@@ -25,10 +25,10 @@ from lambjax.models import bert, layer_layout
 from lambjax.train.state import TrainState
 
 
-def per_layer(model_config: bert.BertConfig, pipelined: bool) -> bool:
-    """Whether the steps hold the layers one tree per layer: when they run unrolled, and not
-    under Ouroboros (whose stages hold slices of the stack)."""
-    return not model_config.scan_layers and not pipelined
+def per_layer(model_config: bert.BertConfig) -> bool:
+    """Whether the steps hold the layers one tree per layer: when they run unrolled (and the
+    step method, where one runs, takes them so: lambjax.train.method)."""
+    return not model_config.scan_layers
 
 
 def to_running(state: TrainState, num_frozen_layers: int) -> TrainState:

@@ -3,7 +3,7 @@ save, stop on request.
 
 A job (a pretraining phase in lambjax.train.trainer, a fine-tuning run in
 lambjax.finetune.loop) supplies its step, its data and its metrics through `Job`;
-`compile_steps` is the one place lambjax calls `jax.jit` on a step, and `run` drives the
+`compile_steps` is the one place lambjax calls `jax.jit` on a step, and `run_job` drives the
 iterations:
 
   every step     the job's batch, the compiled train step
@@ -93,7 +93,7 @@ class Intervals:
 
 
 class Job(Protocol):
-    """What a job supplies to `run`."""
+    """What a job supplies to `run_job`."""
 
     num_steps: int
     intervals: Intervals
@@ -115,7 +115,7 @@ class Job(Protocol):
         every process)."""
 
 
-def run(job: Job, state, step: int, stop, hooks=()) -> tuple[object, int, bool]:
+def run_job(job: Job, state, step: int, stop, hooks=()) -> tuple[object, int, bool]:
     """Trains from `step` to the job's last step: (state, step, whether a stop was asked)."""
     intervals, pending = job.intervals, []
     while step < job.num_steps:

@@ -24,11 +24,12 @@ from absl import logging
 
 from lambjax import data as data_lib
 from lambjax import optim, sharding
-from lambjax.models import bert, pipeline
-from lambjax.train import checkpointing, layout, ouroboros, stacking, throughput
+from lambjax.models import attention, bert
+from lambjax.train import checkpointing, layerwise, layout
 from lambjax.train import optimizer as optimizer_lib
 from lambjax.train import state as state_lib
 from lambjax.train import step as step_lib
+from lambjax.train.config import ConfigError
 from lambjax.train.plan import PhasePlan, RunPlan
 from lambjax.train.state import TrainState
 
@@ -63,19 +64,12 @@ class Phase:
     def num_frozen_layers(self) -> int:
         return self.plan.num_frozen_layers
 
-    @functools.cached_property
-    def pipeline_split(self) -> pipeline.Split | None:
-        """Ouroboros' modules, when it is on."""
-        if self.plan.pipeline is None:
-            return None
-        return pipeline.Split(self.plan.pipeline.num_modules, self.plan.model.num_layers)
-
     def init_state(self, rng: jax.Array) -> TrainState:
         params = bert.init_params(self.model_config, rng)
         return self.new_state(params)
 
     def new_state(self, params, opt_state=None) -> TrainState:
-        """A state at step 0 (and, under Ouroboros, empty pipeline buffers)."""
+        """A state at step 0 (and the step method's state at its start, where one runs)."""
         state = TrainState.create(
             params,
             self.optimizer,
@@ -83,17 +77,9 @@ class Phase:
             opt_state=opt_state,
             train_decoder=self.plan.train_decoder,
         )
-        if self.pipeline_split is None:
+        if self.plan.step_method is None:
             return state
-        pipeline = ouroboros.init_pipeline(
-            self.pipeline_split,
-            params,
-            global_batch_size=self.plan.batch.global_batch_size,
-            seq_len=self.plan.batch.max_seq_length,
-            dtype=self.model_config.dtype,
-            replay=self.plan.pipeline.replay,
-        )
-        return state.replace(pipeline=pipeline)
+        return state.replace(method_state=self.plan.step_method.init_method_state(self, params))
 
     def init_optimizer(self, params):
         """A fresh optimizer state for this phase's trainable view of `params`."""
@@ -105,7 +91,9 @@ class Phase:
     def per_layer(self) -> bool:
         """Whether the steps hold the encoder layers one tree per layer (lambjax.train.layout);
         the state rests stacked either way."""
-        return layout.per_layer(self.model_config, self.pipeline_split is not None)
+        method = self.plan.step_method
+        runs_per_layer = method is None or method.runs_per_layer
+        return runs_per_layer and layout.per_layer(self.model_config)
 
     @functools.cached_property
     def _abstract(self) -> TrainState:
@@ -122,12 +110,13 @@ class Phase:
             num_frozen_layers=self.num_frozen_layers,
             train_decoder=self.plan.train_decoder,
         )
-        if self.pipeline_split is None:
+        method = self.plan.step_method
+        if method is None:
             return shardings
-        pipeline = ouroboros.pipeline_shardings(
-            self._abstract.pipeline, shardings.params, self.mesh
+        method_state = method.method_state_shardings(
+            self, self._abstract.method_state, shardings.params
         )
-        return shardings.replace(pipeline=pipeline)
+        return shardings.replace(method_state=method_state)
 
     @functools.cached_property
     def state_shardings(self) -> TrainState:
@@ -159,35 +148,12 @@ class Phase:
         return layout.to_rest(state) if self.per_layer else state
 
     def train_step(self) -> Callable:
-        """The pure train step as a function of (state, batch, rng), its settings bound."""
-        plan = self.plan
-        if self.pipeline_split is not None:
-            settings = ouroboros.PipelineStep(
-                split=self.pipeline_split,
-                replay=plan.pipeline.replay,
-                mesh=self.mesh,
-                model_config=plan.model,
-                optimizer=self.optimizer,
-                schedule=self.schedule,
-                grad_accum_steps=plan.batch.grad_accum_steps,
-                nsp_loss_weight=plan.nsp_loss_weight,
-                synchronous_steps=plan.pipeline.synchronous_steps,
-            )
-            return functools.partial(ouroboros.train_step, settings=settings)
-        return functools.partial(
-            step_lib.train_step,
-            model_config=plan.model,
-            optimizer=self.optimizer,
-            schedule=self.schedule,
-            grad_accum_steps=plan.batch.grad_accum_steps,
-            nsp_loss_weight=plan.nsp_loss_weight,
-            layer_drop=plan.layer_drop,
-            num_frozen_layers=plan.num_frozen_layers,
-            train_decoder=plan.train_decoder,
-            standardization_loss_weight=plan.standardization_loss_weight,
-            standardization_loss_site=plan.standardization_loss_site,
-            reduce_once_on=self.mesh if plan.gradient_reduction == "once" else None,
-        )
+        """The pure train step as a function of (state, batch, rng), its settings bound: the
+        step method's where the plan has one, else the core step's."""
+        if self.plan.step_method is not None:
+            return self.plan.step_method.train_step(self)
+        settings = step_lib.StepSettings.of(self.plan, self.optimizer, self.schedule, self.mesh)
+        return functools.partial(step_lib.train_step, settings=settings)
 
     def batches(self, split: str, global_batch_size: int, seed: int, **kwargs):
         """An iterator over this process's rows of every global batch of `split`. Only the
@@ -220,6 +186,9 @@ class Phase:
 
 
 def build_phase(plan: PhasePlan, prepared: data_lib.Prepared) -> Phase:
+    """The phase of `plan` on this machine: its model's platform choices made
+    (`for_platform`), its mesh over this machine's devices, its schedule and optimizer."""
+    plan = dataclasses.replace(plan, model=for_platform(plan, jax.default_backend()))
     schedule = optimizer_lib.learning_rate_schedule(plan.schedule)
     return Phase(
         plan=plan,
@@ -230,14 +199,35 @@ def build_phase(plan: PhasePlan, prepared: data_lib.Prepared) -> Phase:
     )
 
 
+def for_platform(plan: PhasePlan, platform: str) -> bert.BertConfig:
+    """The phase's model as it runs on `platform` ('cpu', 'gpu', 'tpu'): attention 'auto'
+    decided (lambjax.models.attention), and on a GPU the layers unrolled unless the config
+    sets `model.overrides.scan_layers` (the faster form there: docs/performance.md)."""
+    model = plan.model
+    if platform == "gpu" and plan.scan_layers_by_platform:
+        model = dataclasses.replace(model, scan_layers=False)
+    try:
+        return attention.resolve(model, platform)
+    except ValueError as e:  # an attention kernel this platform does not have
+        raise ConfigError(f"config.model (phase {plan.name!r}): {e}") from None
+
+
+def check_platform(run_plan: RunPlan) -> None:
+    """Every phase's model runs on this machine (before any data is prepared)."""
+    for plan in run_plan.phases:
+        for_platform(plan, jax.default_backend())
+
+
 def prepare_vocabulary(data_config) -> data_lib.Vocabulary:
     """The run's vocabulary; its size is part of the run's plan (the model's embeddings)."""
     return _prepared(lambda build: data_lib.vocabulary(data_config, build=build))
 
 
-def prepare_data(run: RunPlan) -> dict[int, data_lib.Prepared]:
+def prepare_data(run_plan: RunPlan) -> dict[int, data_lib.Prepared]:
     """The run's datasets, by sequence length."""
-    return _prepared(lambda build: data_lib.prepare_all(run.data, run.seq_lengths, build=build))
+    return _prepared(
+        lambda build: data_lib.prepare_all(run_plan.data, run_plan.seq_lengths, build=build)
+    )
 
 
 def _prepared(find_or_build: Callable):
@@ -268,7 +258,7 @@ def prepare_command() -> str:
 
 
 def initial_state(
-    run: RunPlan,
+    run_plan: RunPlan,
     workdir: str,
     phase: Phase,
     ckpt: checkpointing.PhaseCheckpoints,
@@ -285,12 +275,12 @@ def initial_state(
         logging.info("Phase %s: resuming from its checkpoint at step %d", phase.name, restored.step)
         return restored.state, restored.data_state, restored.step
     if phase.plan.previous is not None:
-        return from_previous_phase(run, workdir, phase, init_optimizer), None, 0
-    logging.info("Phase %s: initialising from scratch (seed %d)", phase.name, run.seed)
-    return init_state(jax.random.key(run.seed)), None, 0
+        return from_previous_phase(run_plan, workdir, phase, init_optimizer), None, 0
+    logging.info("Phase %s: initialising from scratch (seed %d)", phase.name, run_plan.seed)
+    return init_state(jax.random.key(run_plan.seed)), None, 0
 
 
-def from_previous_phase(run: RunPlan, workdir: str, phase: Phase, init_optimizer: Callable):
+def from_previous_phase(run_plan: RunPlan, workdir: str, phase: Phase, init_optimizer: Callable):
     """The phase transition: the previous phase's final parameters, grown to this phase's
     depth; its moments (step count restarted) or a fresh optimizer state."""
     previous = build_phase(phase.plan.previous, phase.prepared)  # its state's structure
@@ -298,11 +288,11 @@ def from_previous_phase(run: RunPlan, workdir: str, phase: Phase, init_optimizer
     # Kept moments need the same optimizer, depth and frozen layers (checked by the plan):
     # this phase's target then fits; otherwise the previous state may have another structure.
     target = previous.abstract_state()
-    if keep:  # the previous phase's pipeline buffers have its shapes; they are not kept
-        target = phase.abstract_state().replace(pipeline=target.pipeline)
+    if keep:  # the previous phase's step method state has its shapes; it is not kept
+        target = phase.abstract_state().replace(method_state=target.method_state)
     final_step = previous.plan.num_steps
     ckpt = checkpointing.PhaseCheckpoints(
-        workdir, previous.name, max_to_keep=run.max_checkpoints_to_keep, async_save=False
+        workdir, previous.name, max_to_keep=run_plan.max_checkpoints_to_keep, async_save=False
     )
     restored = ckpt.restore_latest(target, step=final_step)
     ckpt.close()
@@ -325,7 +315,7 @@ def from_previous_phase(run: RunPlan, workdir: str, phase: Phase, init_optimizer
         phase.plan.optimizer_state,
     )
     if depth < new_depth:
-        _, params = stacking.grow_layers(previous.model_config, params, new_depth)
+        _, params = layerwise.grow_layers(previous.model_config, params, new_depth)
         params = jax.device_put(params, phase.rest_shardings.params)
     if keep:
         opt_state = optim.restart_step_count(restored.state.opt_state)
@@ -333,28 +323,3 @@ def from_previous_phase(run: RunPlan, workdir: str, phase: Phase, init_optimizer
         opt_state = init_optimizer(params)
     state = phase.new_state(params, opt_state=opt_state)
     return jax.device_put(state, phase.rest_shardings)
-
-
-def train_step_flops(plan: PhasePlan) -> int:
-    """Model FLOPs of one optimizer step of the phase (lambjax.train.throughput)."""
-    return throughput.train_step_flops(
-        plan.model,
-        plan.batch.global_batch_size,
-        plan.batch.max_seq_length,
-        plan.batch.max_predictions_per_seq,
-        num_frozen_layers=plan.num_frozen_layers,
-    )
-
-
-def later_phases_flops(run: RunPlan, plan: PhasePlan) -> int:
-    """Model FLOPs of every step of the phases after `plan` (for the run's ETA)."""
-    return sum(p.num_steps * train_step_flops(p) for p in run.phases[plan.index + 1 :])
-
-
-def throughput_meter(run: RunPlan, plan: PhasePlan) -> throughput.Throughput:
-    peak = throughput.peak_flops_per_device(run.peak_flops_per_device)
-    return throughput.Throughput(
-        tokens_per_step=plan.batch.global_batch_size * plan.batch.max_seq_length,
-        flops_per_step=train_step_flops(plan),
-        peak_flops=peak * jax.device_count() if peak else None,
-    )

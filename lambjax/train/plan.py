@@ -8,30 +8,29 @@ data options, the variants' settings). Nothing downstream reads the config again
 from the previous phase reads `PhasePlan.previous`.
 
 Checks live beside their feature and are collected here, in one pass, before anything is
-built: the run's and the phases' own fields below; progressive layer dropping in
-lambjax.train.layer_drop; multi-stage layerwise training in lambjax.train.stacking; the
-standardization loss in lambjax.models.standardization; Ouroboros in
-lambjax.train.ouroboros; packing in lambjax.data.packing; the PRNG implementation in
-lambjax.train.prng; the gradient's reduction in lambjax.train.reduction. Each raises
-`ConfigError` (a ValueError) naming the field, the value and what would be valid.
+built: the run's and the phases' own fields in lambjax.train.plan_checks; progressive layer
+dropping in lambjax.train.layer_drop; multi-stage layerwise training in
+lambjax.train.layerwise; the standardization loss in lambjax.models.standardization; a step
+method's (`config.step_method`, lambjax.train.method) in its own module; packing in
+lambjax.data.packing; the PRNG implementation in lambjax.train.prng; the gradient's
+reduction in lambjax.train.reduction. Each raises `ConfigError` (a ValueError) naming the
+field, the value and what would be valid.
+
+A plan is the same on any machine: what depends on the platform (the attention kernel, the
+layer loop) is decided where the phase is built on it (lambjax.train.phases.for_platform).
 """
 
 import dataclasses
 from collections.abc import Mapping
 
-import jax
 import ml_collections
 
 from lambjax import sharding
 from lambjax.data import packing as packing_lib
-from lambjax.models import attention, bert, standardization
-from lambjax.train import layer_drop, ouroboros, prng, reduction, stacking
-from lambjax.train.config import (
-    OPTIMIZER_STATE_AT_PHASE_START,
-    OPTIMIZERS,
-    SCHEDULES,
-    ConfigError,
-)
+from lambjax.models import bert, standardization
+from lambjax.train import layer_drop, layerwise, plan_checks, prng, reduction
+from lambjax.train import method as method_lib
+from lambjax.train.config import OPTIMIZERS, ConfigError
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,15 +87,6 @@ class BatchGeometry:
 
 
 @dataclasses.dataclass(frozen=True)
-class PipelinePlan:
-    """Ouroboros (lambjax.train.ouroboros), when its number of modules K > 1."""
-
-    num_modules: int
-    replay: str  # stale | current
-    synchronous_steps: int
-
-
-@dataclasses.dataclass(frozen=True)
 class PhasePlan:
     """Everything one phase is built from."""
 
@@ -105,18 +95,20 @@ class PhasePlan:
     step_offset: int  # optimizer steps of all earlier phases (TensorBoard x axis, PLD)
     num_steps: int
     batch: BatchGeometry
-    model: bert.BertConfig  # at this phase's depth
+    model: bert.BertConfig  # at this phase's depth; attention 'auto' as the config gives it
+    # The config leaves model scan_layers to the platform (lambjax.train.phases.for_platform).
+    scan_layers_by_platform: bool
     optimizer: OptimizerPlan
     schedule: SchedulePlan
     optimizer_state: str  # at the phase's start: keep the previous moments, or reset
     mesh: Mapping[str, int]  # every mesh axis's size, -1 resolved
     num_frozen_layers: int  # bottom layers not trained (a stage of MSLT)
-    train_decoder: bool  # with frozen layers: the tied MLM decoder trains (lambjax.train.stacking)
+    train_decoder: bool  # with frozen layers: the tied MLM decoder trains (lambjax.train.layerwise)
     layer_drop: layer_drop.LayerDrop | None
     nsp_loss_weight: float  # 0 without next-sentence prediction
     standardization_loss_weight: float  # 0: off
     standardization_loss_site: str  # residual | preactivation (lambjax.models.standardization)
-    pipeline: PipelinePlan | None
+    step_method: method_lib.StepMethod | None  # None: the core train step (lambjax.train.step)
     packing: packing_lib.Packing | None  # training rows of several examples; None: one
     gradient_reduction: str  # each_microbatch | once (lambjax.train.reduction)
     previous: "PhasePlan | None"  # the phase before, whose final state this one starts from
@@ -151,17 +143,19 @@ class RunPlan:
 
 def resolve(config, *, vocab_size: int, num_devices: int, process_count: int = 1) -> RunPlan:
     """The run plan of `config`, checked; raises ConfigError naming the first bad field."""
-    _check_run(config, process_count)
-    _check_features(  # the variants' own settings, before the phase plans hold them
+    plan_checks.check_run(config, process_count)
+    method = method_lib.load(config.step_method)
+    plan_checks.run_checks(  # the variants' own settings, before the phase plans hold them
         lambda: layer_drop.check_settings(config.layer_drop),
-        lambda: ouroboros.check_settings(config.ouroboros),
+        lambda: method and method.check_settings(config),
         lambda: prng.check(config.prng_impl),
         lambda: standardization.check_site(config.standardization_loss.site),
     )
     spans = {}
-    _check_features(
-        lambda: spans.update(stacking.schedule_spans(config.phases, config.phase_order))
+    plan_checks.run_checks(
+        lambda: spans.update(layerwise.schedule_spans(config.phases, config.phase_order))
     )
+    step_method = method.plan(config) if method else None
     phases, previous, step_offset = [], None, 0
     for index, name in enumerate(config.phase_order):
         phase = _phase(
@@ -171,17 +165,19 @@ def resolve(config, *, vocab_size: int, num_devices: int, process_count: int = 1
             step_offset,
             previous,
             spans[name],
+            step_method,
             vocab_size,
             num_devices,
             process_count,
         )
         phases.append(phase)
         previous, step_offset = phase, step_offset + phase.num_steps
-    _check_features(  # the variants against the phase plans
+    plan_checks.run_checks(  # the variants against the phase plans
         lambda: layer_drop.check(config.layer_drop, phases),
         lambda: standardization.check(config.standardization_loss.weight, phases),
-        lambda: stacking.check(phases),
-        lambda: ouroboros.check_plan(config.ouroboros, phases),
+        lambda: layerwise.check(phases),
+        lambda: method and method.check(config, phases),
+        lambda: plan_checks.check_stages(phases),
         lambda: reduction.check(config.gradient_reduction, phases),
     )
     return RunPlan(
@@ -204,42 +200,6 @@ def resolve(config, *, vocab_size: int, num_devices: int, process_count: int = 1
     )
 
 
-def _check_features(*checks) -> None:
-    """Runs the variants' checks, each in its feature's module; their ValueErrors, which
-    name the config field, become ConfigErrors."""
-    for check in checks:
-        try:
-            check()
-        except ConfigError:
-            raise
-        except ValueError as error:
-            raise ConfigError(str(error)) from None
-
-
-def _check_run(config, process_count: int) -> None:
-    if not config.phase_order:
-        raise ConfigError("config.phase_order is empty: name at least one phase")
-    unknown = [p for p in config.phase_order if p not in config.phases]
-    if unknown:
-        raise ConfigError(
-            f"config.phase_order names {unknown}, which are not in config.phases "
-            f"({sorted(config.phases.keys())})"
-        )
-    for field in ("log_every_steps", "eval_every_steps", "checkpoint_every_steps"):
-        if config[field] <= 0:
-            raise ConfigError(f"config.{field}={config[field]} must be a positive integer")
-    if not config.checkpoint_every_minutes >= 0:
-        raise ConfigError(
-            f"config.checkpoint_every_minutes={config.checkpoint_every_minutes} must be >= 0 "
-            "(0: checkpoints by steps only)"
-        )
-    if config.eval_batch_size <= 0 or config.eval_batch_size % process_count:
-        raise ConfigError(
-            f"config.eval_batch_size={config.eval_batch_size} must be positive and divisible "
-            f"by the number of processes ({process_count})"
-        )
-
-
 def _phase(
     config,
     name,
@@ -247,12 +207,13 @@ def _phase(
     step_offset,
     previous,
     schedule_span,
+    step_method,
     vocab_size,
     num_devices,
     process_count,
 ) -> PhasePlan:
     phase, where = config.phases[name], f"config.phases.{name}"
-    _check_phase_fields(phase, where)
+    plan_checks.check_phase_fields(phase, where)
     optimizer = _optimizer(config, name)
     if previous is not None and phase.optimizer_state == "keep":
         if previous.optimizer.name != optimizer.name:
@@ -282,6 +243,7 @@ def _phase(
         num_steps=phase.num_steps,
         batch=batch,
         model=model,
+        scan_layers_by_platform="scan_layers" not in config.model.overrides,
         optimizer=optimizer,
         schedule=_schedule(phase, schedule_span),
         optimizer_state=phase.optimizer_state,
@@ -298,9 +260,7 @@ def _phase(
         nsp_loss_weight=1.0 if config.data.next_sentence_prediction else 0.0,
         standardization_loss_weight=config.standardization_loss.weight,
         standardization_loss_site=config.standardization_loss.site,
-        pipeline=(
-            PipelinePlan(**config.ouroboros.to_dict()) if config.ouroboros.num_modules > 1 else None
-        ),
+        step_method=step_method,
         packing=_packing(config.data, phase.max_seq_length),
         gradient_reduction=config.gradient_reduction,
         previous=previous,
@@ -318,31 +278,6 @@ def _schedule(phase, span: tuple[int, int]) -> SchedulePlan:
         constant_fraction=phase.constant_fraction,
         decay_power=phase.decay_power,
     )
-
-
-def _check_phase_fields(phase, where: str) -> None:
-    for field in ("max_seq_length", "max_predictions_per_seq", "global_batch_size", "num_steps"):
-        if phase[field] <= 0:
-            raise ConfigError(f"{where}.{field}={phase[field]} must be a positive integer")
-    if phase.max_predictions_per_seq > phase.max_seq_length:
-        raise ConfigError(
-            f"{where}.max_predictions_per_seq={phase.max_predictions_per_seq} exceeds "
-            f"max_seq_length={phase.max_seq_length}"
-        )
-    if phase.learning_rate <= 0:
-        raise ConfigError(f"{where}.learning_rate={phase.learning_rate} must be positive")
-    if phase.schedule not in SCHEDULES:
-        raise ConfigError(f"{where}.schedule={phase.schedule!r}; valid: {SCHEDULES}")
-    if not 0 <= phase.warmup_fraction + phase.constant_fraction <= 1:
-        raise ConfigError(
-            f"{where}: warmup_fraction + constant_fraction = "
-            f"{phase.warmup_fraction + phase.constant_fraction} must lie in [0, 1]"
-        )
-    if phase.optimizer_state not in OPTIMIZER_STATE_AT_PHASE_START:
-        raise ConfigError(
-            f"{where}.optimizer_state={phase.optimizer_state!r}; "
-            f"valid: {OPTIMIZER_STATE_AT_PHASE_START}"
-        )
 
 
 def _packing(data_config, max_seq_length: int) -> packing_lib.Packing | None:
@@ -382,10 +317,8 @@ def _model(config, name: str, vocab_size: int) -> bert.BertConfig:
     overrides.setdefault("vocab_size", vocab_size)
     if config.phases[name].num_layers is not None:
         overrides["num_layers"] = config.phases[name].num_layers
-    if jax.default_backend() == "gpu":  # unrolled ran faster on an H100 (docs/results.md)
-        overrides.setdefault("scan_layers", False)
-    try:  # the attention form decided once, for this platform
-        return attention.resolve(bert.BertConfig.preset(config.model.preset, **overrides))
+    try:
+        return bert.BertConfig.preset(config.model.preset, **overrides)
     except (TypeError, ValueError) as e:  # no such field, or values BertConfig rejects
         raise ConfigError(f"config.model (phase {name!r}): {e}") from e
 

@@ -39,11 +39,11 @@ def check(reduction: str, phases) -> None:
     if reduction != "once":
         return
     for phase in phases:
-        if phase.pipeline is not None:
+        if phase.step_method is not None:
             raise ValueError(
-                "config.gradient_reduction='once' is for the plain train step; Ouroboros "
-                f"(config.ouroboros.num_modules={phase.pipeline.num_modules}) runs its own "
-                "shard_map: set gradient_reduction='each_microbatch'"
+                "config.gradient_reduction='once' is for the core train step; the step method "
+                f"{type(phase.step_method).__name__} (config.step_method) runs its own: set "
+                "gradient_reduction='each_microbatch'"
             )
         if phase.mesh["fsdp"] > 1 and phase.mesh["tensor"] > 1:
             # XLA (jax 0.10.2) aborts the process partitioning the embedding lookup there.

@@ -13,17 +13,17 @@ import jax.numpy as jnp
 import optax
 
 from lambjax import sharding
-from lambjax.train import stacking
+from lambjax.train import layerwise
 
 
 class TrainState(flax.struct.PyTreeNode):
     step: jax.Array  # optimizer steps taken in the current phase
     params: Any
-    opt_state: Any  # covers the trainable view of params only (lambjax.train.stacking)
+    opt_state: Any  # covers the trainable view of params only (lambjax.train.layerwise)
     consecutive_nonfinite: jax.Array  # steps in a row whose update was skipped
     total_nonfinite: jax.Array
-    # Ouroboros' buffers between steps (lambjax.train.ouroboros); None otherwise.
-    pipeline: Any = None
+    # What a step method carries between steps (lambjax.train.method); None otherwise.
+    method_state: Any = None
 
     @classmethod
     def create(
@@ -36,7 +36,7 @@ class TrainState(flax.struct.PyTreeNode):
         train_decoder: bool = False,
     ) -> "TrainState":
         """A state at step 0. Its optimizer state is fresh, for the trainable view of
-        `params` only (lambjax.train.stacking), or `opt_state` where given (moments kept
+        `params` only (lambjax.train.layerwise), or `opt_state` where given (moments kept
         from an earlier phase)."""
         if opt_state is None:
             opt_state = init_optimizer_state(optimizer, params, num_frozen_layers, train_decoder)
@@ -52,7 +52,9 @@ def init_optimizer_state(
 ):
     """A fresh optimizer state for the trainable view of `params` (all of it when no layer is
     frozen)."""
-    return optimizer.init(stacking.split(params, num_frozen_layers, train_decoder=train_decoder)[0])
+    return optimizer.init(
+        layerwise.split(params, num_frozen_layers, train_decoder=train_decoder)[0]
+    )
 
 
 def shardings(
@@ -74,12 +76,12 @@ def shardings(
 
     # The optimizer state covers the trainable view only (all parameters, but in an MSLT
     # stage). Cutting layers off a stacked leaf keeps its sharding: `layers` is sharded
-    # only over the stage axis of Ouroboros, which runs no MSLT stage.
+    # only over the mesh axis `stage`, whose step method (Ouroboros) runs no MSLT stage.
     n, decoder = num_frozen_layers, train_decoder
     trainable_params = jax.eval_shape(
-        lambda p: stacking.split(p, n, train_decoder=decoder)[0], abstract.params
+        lambda p: layerwise.split(p, n, train_decoder=decoder)[0], abstract.params
     )
-    trainable_shardings, _ = stacking.split(
+    trainable_shardings, _ = layerwise.split(
         param_shardings, n, take=lambda s, _: s, train_decoder=decoder
     )
     opt_shardings = optax.tree_map_params(

@@ -9,7 +9,7 @@ and gradient are finite (`apply_if_finite`).
 
 Two layer-level training schemes plug in here: progressive layer dropping
 (`layer_drop`, lambjax.train.layer_drop) draws which layers each micro-batch runs, and
-multi-stage layerwise training (`num_frozen_layers`, lambjax.train.stacking) differentiates
+multi-stage layerwise training (`num_frozen_layers`, lambjax.train.layerwise) differentiates
 and updates only the parameters above the frozen bottom layers (and, with `train_decoder`,
 the tied MLM decoder).
 
@@ -18,6 +18,8 @@ The standardization loss (`standardization_loss_weight` > 0, a model with normal
 to the objective. L_std is
 computed from each micro-batch's statistics and averaged over the micro-batches; it is
 logged as `standardization_loss` (unweighted), and `loss` stays the MLM + NSP loss.
+
+The step's settings are one `StepSettings`, built from the phase's plan in `StepSettings.of`.
 """
 
 import dataclasses
@@ -31,8 +33,9 @@ from lambjax import optim
 from lambjax.models import pretraining
 from lambjax.models.bert import BertConfig
 from lambjax.models.encoder import LayerOptions
-from lambjax.train import reduction, stacking
+from lambjax.train import layerwise, reduction
 from lambjax.train.layer_drop import LayerDrop
+from lambjax.train.plan import PhasePlan
 from lambjax.train.state import TrainState
 
 STAT_KEYS = (
@@ -110,18 +113,20 @@ def apply_if_finite(
     `grad_norm` (of `grads`, the gradient the optimizer is given, before any clipping),
     the norms of `update_norms` (the update's is 0 on a skipped step) and `nonfinite`.
     """
-    trainable, frozen = stacking.split(state.params, num_frozen_layers, train_decoder=train_decoder)
+    trainable, frozen = layerwise.split(
+        state.params, num_frozen_layers, train_decoder=train_decoder
+    )
     # The finiteness test needs the gradient's norm before the update. The optimizer is
     # given it (lambjax's clip_by_global_norm uses it instead of computing it again).
     # Testing after the update and selecting the old or new state instead, to take the
-    # norm from the update, cost more: XLA then copies the moments (docs/performance.md).
+    # norm from the update, makes XLA copy the moments (docs/performance.md).
     grad_norm = optax.global_norm(grads)
     finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
     update = optax.with_extra_args_support(optimizer).update
 
     def apply_update(_):
         updates, opt_state = update(grads, state.opt_state, trainable, grad_norm=grad_norm)
-        params = stacking.merge(optax.apply_updates(trainable, updates), frozen)
+        params = layerwise.merge(optax.apply_updates(trainable, updates), frozen)
         return params, opt_state, update_norms(trainable, updates, opt_state)
 
     def skip_update(_):
@@ -157,33 +162,65 @@ def update_norms(trainable, updates, opt_state) -> dict:
     return norms
 
 
-def train_step(
-    state: TrainState,
-    batch: dict,
-    rng: jax.Array,
-    *,
-    model_config: BertConfig,
-    optimizer: optax.GradientTransformation,
-    schedule: optax.Schedule,
-    grad_accum_steps: int,
-    nsp_loss_weight: float = 1.0,
-    layer_drop: LayerDrop | None = None,
-    num_frozen_layers: int = 0,
-    train_decoder: bool = False,
-    standardization_loss_weight: float = 0.0,
-    standardization_loss_site: str = "residual",
-    reduce_once_on: jax.sharding.Mesh | None = None,
-) -> tuple[TrainState, dict]:
-    """One optimizer step on one global batch. Returns the new state and scalar metrics.
+@dataclasses.dataclass(frozen=True)
+class StepSettings:
+    """Everything the core train step takes but its (state, batch, rng)."""
 
-    `reduce_once_on`: None, XLA all-reduces each micro-batch's gradient inside the loop; a
-    mesh, each data shard of it accumulates unreduced and one sum follows the loop
-    (lambjax.train.reduction).
-    """
+    model_config: BertConfig
+    optimizer: optax.GradientTransformation
+    schedule: optax.Schedule
+    grad_accum_steps: int
+    nsp_loss_weight: float = 1.0
+    layer_drop: LayerDrop | None = None
+    num_frozen_layers: int = 0
+    train_decoder: bool = False
+    standardization_loss_weight: float = 0.0
+    standardization_loss_site: str = "residual"
+    # None: XLA all-reduces each micro-batch's gradient inside the loop; a mesh: each data
+    # shard of it accumulates unreduced and one sum follows the loop (lambjax.train.reduction).
+    reduce_once_on: jax.sharding.Mesh | None = None
+
+    @classmethod
+    def of(
+        cls,
+        plan: PhasePlan,
+        optimizer: optax.GradientTransformation,
+        schedule: optax.Schedule,
+        mesh: jax.sharding.Mesh,
+    ) -> "StepSettings":
+        """The settings of the phase `plan`, with the optimizer, schedule and mesh built from
+        it (lambjax.train.phases)."""
+        return cls(
+            model_config=plan.model,
+            optimizer=optimizer,
+            schedule=schedule,
+            grad_accum_steps=plan.batch.grad_accum_steps,
+            nsp_loss_weight=plan.nsp_loss_weight,
+            layer_drop=plan.layer_drop,
+            num_frozen_layers=plan.num_frozen_layers,
+            train_decoder=plan.train_decoder,
+            standardization_loss_weight=plan.standardization_loss_weight,
+            standardization_loss_site=plan.standardization_loss_site,
+            reduce_once_on=mesh if plan.gradient_reduction == "once" else None,
+        )
+
+
+def train_step(
+    state: TrainState, batch: dict, rng: jax.Array, *, settings: StepSettings
+) -> tuple[TrainState, dict]:
+    """One optimizer step on one global batch. Returns the new state and scalar metrics."""
+    model_config, grad_accum_steps = settings.model_config, settings.grad_accum_steps
+    layer_drop, num_frozen_layers = settings.layer_drop, settings.num_frozen_layers
+    train_decoder, nsp_loss_weight = settings.train_decoder, settings.nsp_loss_weight
+    standardization_loss_weight = settings.standardization_loss_weight
+    standardization_loss_site = settings.standardization_loss_site
+    reduce_once_on = settings.reduce_once_on
     mlm_total = jnp.maximum(jnp.sum(batch["masked_lm_weights"].astype(jnp.float32)), 1e-9)
     nsp_total = jnp.maximum(jnp.sum(pretraining.nsp_example_weights(batch)), 1.0)
     step_rng = jax.random.fold_in(rng, state.step)
-    trainable, frozen = stacking.split(state.params, num_frozen_layers, train_decoder=train_decoder)
+    trainable, frozen = layerwise.split(
+        state.params, num_frozen_layers, train_decoder=train_decoder
+    )
     stat_keys = STAT_KEYS + (("layers_run_sum",) if layer_drop else ())
     standardize = standardization_loss_weight > 0
     if standardize:
@@ -200,7 +237,7 @@ def train_step(
             options = dataclasses.replace(options, keep=keep, scale=scale)
         stats = pretraining.pretraining_stats(
             model_config,
-            stacking.merge(trainable, frozen),
+            layerwise.merge(trainable, frozen),
             microbatch,
             dropout_rng=reduction.shard_dropout_key(microbatch_rng, reduce_once_on),
             options=options,
@@ -229,9 +266,11 @@ def train_step(
         metrics["standardization_loss"] = stats["standardization_loss"] / grad_accum_steps
         objective = loss + standardization_loss_weight * metrics["standardization_loss"]
     new_state, update_metrics = apply_if_finite(
-        state, grads, objective, optimizer, num_frozen_layers, train_decoder
+        state, grads, objective, settings.optimizer, num_frozen_layers, train_decoder
     )
-    metrics = train_metrics(metrics, loss, state, new_state, update_metrics, schedule=schedule)
+    metrics = train_metrics(
+        metrics, loss, state, new_state, update_metrics, schedule=settings.schedule
+    )
     if layer_drop is not None:
         metrics["pld_theta"] = layer_drop.theta(state.step)
         metrics["pld_layers_run"] = stats["layers_run_sum"] / grad_accum_steps

@@ -10,6 +10,7 @@ import time
 import jax
 
 from lambjax.models.bert import BertConfig
+from lambjax.train.plan import PhasePlan, RunPlan
 
 # Peak dense bf16 FLOP/s of one JAX device, by `device_kind` prefix (vendor data sheets).
 PEAK_FLOPS_BY_DEVICE_KIND = {
@@ -100,3 +101,29 @@ class Throughput:
         if self._peak_flops:
             out["mfu"] = self._flops_per_step / seconds / self._peak_flops
         return out
+
+
+def phase_step_flops(plan: PhasePlan) -> int:
+    """Model FLOPs of one optimizer step of the phase `plan`."""
+    return train_step_flops(
+        plan.model,
+        plan.batch.global_batch_size,
+        plan.batch.max_seq_length,
+        plan.batch.max_predictions_per_seq,
+        num_frozen_layers=plan.num_frozen_layers,
+    )
+
+
+def later_phases_flops(run_plan: RunPlan, plan: PhasePlan) -> int:
+    """Model FLOPs of every step of the phases after `plan` (for the run's ETA)."""
+    return sum(p.num_steps * phase_step_flops(p) for p in run_plan.phases[plan.index + 1 :])
+
+
+def phase_meter(run_plan: RunPlan, plan: PhasePlan) -> Throughput:
+    """The throughput meter of the phase `plan` over all of this run's devices."""
+    peak = peak_flops_per_device(run_plan.peak_flops_per_device)
+    return Throughput(
+        tokens_per_step=plan.batch.global_batch_size * plan.batch.max_seq_length,
+        flops_per_step=phase_step_flops(plan),
+        peak_flops=peak * jax.device_count() if peak else None,
+    )

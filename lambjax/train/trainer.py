@@ -3,8 +3,8 @@
 `train_and_evaluate(config, workdir)` resolves the config into a run plan
 (lambjax.train.plan) and runs every phase that has not finished yet. For each phase it
 compiles the steps once, takes its starting state by the restore order of
-lambjax.train.phases, then runs the shared loop (lambjax.train.loop): a train step, and at
-their intervals log, evaluate and save. A stop request (SIGTERM, or a pod's preemption
+lambjax.train.phases, then runs the shared loop (lambjax.train.loop.run_job): a train step,
+and at their intervals log, evaluate and save. A stop request (SIGTERM, or a pod's preemption
 notice) saves at the next step boundary and ends the run; the same command continues it.
 """
 
@@ -18,7 +18,7 @@ from clu import periodic_actions
 
 from lambjax import console, distributed, sharding, storage
 from lambjax import data as data_lib
-from lambjax.train import checkpointing, loop, phases, prng
+from lambjax.train import checkpointing, loop, phases, prng, throughput
 from lambjax.train import metrics as metrics_lib
 from lambjax.train import plan as plan_lib
 from lambjax.train import step as step_lib
@@ -69,20 +69,21 @@ def train_and_evaluate(config, workdir: str) -> dict:
     for flag, path in data_lib.paths(config.data):
         storage.check_reachable(path, flag)
     vocabulary = phases.prepare_vocabulary(config.data)
-    run = plan_lib.resolve(
+    run_plan = plan_lib.resolve(
         config,
         vocab_size=vocabulary.size,
         num_devices=jax.device_count(),
         process_count=jax.process_count(),
     )
-    datasets = phases.prepare_data(run)
+    phases.check_platform(run_plan)
+    datasets = phases.prepare_data(run_plan)
     writer = metrics_lib.create_writer(workdir)
     stop = distributed.StopRequest()
     results = []
     try:
-        for plan in run.phases:
+        for plan in run_plan.phases:
             phase = phases.build_phase(plan, datasets[plan.batch.max_seq_length])
-            results.append(run_phase(run, workdir, phase, writer, stop))
+            results.append(run_phase(run_plan, workdir, phase, writer, stop))
             if results[-1].stopped:
                 logging.info("Stopped in phase %s; rerun the same command to continue.", plan.name)
                 break
@@ -92,18 +93,18 @@ def train_and_evaluate(config, workdir: str) -> dict:
     return results[-1].eval_metrics
 
 
-def run_phase(run: RunPlan, workdir: str, phase: Phase, writer, stop) -> PhaseResult:
+def run_phase(run_plan: RunPlan, workdir: str, phase: Phase, writer, stop) -> PhaseResult:
     """Trains one phase to its last step, or until a stop is requested."""
     started = time.perf_counter()
     ckpt = checkpointing.PhaseCheckpoints(
         workdir,
         phase.name,
-        max_to_keep=run.max_checkpoints_to_keep,
-        async_save=run.async_checkpointing,
+        max_to_keep=run_plan.max_checkpoints_to_keep,
+        async_save=run_plan.async_checkpointing,
     )
     steps = compile_steps(phase)
     state, data_state, step = phases.initial_state(
-        run, workdir, phase, ckpt, steps.init_state, steps.init_optimizer
+        run_plan, workdir, phase, ckpt, steps.init_state, steps.init_optimizer
     )
     if step >= phase.plan.num_steps:
         logging.info("Phase %s already finished (step %d).", phase.name, step)
@@ -113,12 +114,12 @@ def run_phase(run: RunPlan, workdir: str, phase: Phase, writer, stop) -> PhaseRe
     if phase.index == 0 and step == 0:
         metrics_lib.log_parameters(state.params, phase.model_config, workdir, writer)
     state = steps.to_running(state)  # the layout the steps take (lambjax.train.layout)
-    loop = PhaseLoop(run, workdir, phase, writer, ckpt, steps, data_state)
-    step, stopped = loop.run(state, step, stop)
+    job = PhaseLoop(run_plan, workdir, phase, writer, ckpt, steps, data_state)
+    step, stopped = job.train(state, step, stop)
     writer.flush()
     ckpt.close()
     return PhaseResult(
-        phase.name, step, time.perf_counter() - started, loop.eval_metrics, stopped=stopped
+        phase.name, step, time.perf_counter() - started, job.eval_metrics, stopped=stopped
     )
 
 
@@ -126,38 +127,41 @@ class PhaseLoop:
     """One phase as a job of the shared run loop (lambjax.train.loop): its batches, its log
     line and throughput, its held-out evaluation, its checkpoints."""
 
-    def __init__(self, run: RunPlan, workdir, phase: Phase, writer, ckpt, steps, data_state):
-        self.run_plan, self.workdir, self.phase = run, workdir, phase
+    def __init__(self, run_plan: RunPlan, workdir, phase: Phase, writer, ckpt, steps, data_state):
+        self.run_plan, self.workdir, self.phase = run_plan, workdir, phase
         self.writer, self.ckpt, self.steps = writer, ckpt, steps
         self.num_steps = phase.plan.num_steps
         self.intervals = loop.Intervals(
-            log_every_steps=run.log_every_steps,
-            eval_every_steps=run.eval_every_steps,
-            checkpoint_every_steps=run.checkpoint_every_steps,
+            log_every_steps=run_plan.log_every_steps,
+            eval_every_steps=run_plan.eval_every_steps,
+            checkpoint_every_steps=run_plan.checkpoint_every_steps,
             eval_after_last_step=True,
         )
         self.batch_sharding = sharding.batch_sharding(phase.mesh)
         self.train_iter = phase.batches(
-            "train", phase.plan.batch.global_batch_size, run.seed + phase.index
+            "train", phase.plan.batch.global_batch_size, run_plan.seed + phase.index
         )
         if data_state is not None:
             self.train_iter.set_state(data_state)
-        self.rng = jax.random.fold_in(prng.training_key(run.seed, run.prng_impl), phase.index)
-        self.meta = phase.checkpoint_meta(run.config_json)
-        self.throughput = phases.throughput_meter(run, phase.plan)
-        self.save_clock = checkpointing.SaveClock(run.checkpoint_every_minutes, run.log_every_steps)
+        key = prng.training_key(run_plan.seed, run_plan.prng_impl)
+        self.rng = jax.random.fold_in(key, phase.index)
+        self.meta = phase.checkpoint_meta(run_plan.config_json)
+        self.throughput = throughput.phase_meter(run_plan, phase.plan)
+        self.save_clock = checkpointing.SaveClock(
+            run_plan.checkpoint_every_minutes, run_plan.log_every_steps
+        )
         self.step_time = metrics_lib.MeanStepTime()
-        self.later_phases_flops = phases.later_phases_flops(run, phase.plan)
+        self.later_phases_flops = throughput.later_phases_flops(run_plan, phase.plan)
         self.eval_metrics = {}
 
-    def run(self, state, step: int, stop) -> tuple[int, bool]:
+    def train(self, state, step: int, stop) -> tuple[int, bool]:
         """(final step, whether a stop was requested)."""
         logging.info("Phase %s: training steps %d..%d", self.phase.name, step + 1, self.num_steps)
         hooks = []
         if self.run_plan.profile and jax.process_index() == 0:
             logdir = metrics_lib.local_logdir(self.writer, self.workdir)
             hooks.append(periodic_actions.Profile(logdir=logdir, first_profile=step + 5))
-        _, step, stopped = loop.run(self, state, step, stop, hooks)
+        _, step, stopped = loop.run_job(self, state, step, stop, hooks)
         return step, stopped
 
     def batch(self, step: int) -> dict:
@@ -196,19 +200,19 @@ class PhaseLoop:
 
     def evaluation(self, params) -> dict:
         """MLM loss and accuracy on the held-out split (the MLPerf metric), plus NSP."""
-        run, phase = self.run_plan, self.phase
+        run_plan, phase = self.run_plan, self.phase
         if "validation" not in phase.prepared.data_sources:
             logging.warning("Phase %s: no validation split was built; no evaluation.", phase.name)
             return {}
         totals = None
-        batches = phase.batches("validation", run.eval_batch_size, HELD_OUT_SEED, num_epochs=1)
+        batches = phase.batches("validation", run_plan.eval_batch_size, HELD_OUT_SEED, num_epochs=1)
         for index, batch in enumerate(batches):
-            if run.eval_steps and index >= run.eval_steps:
+            if run_plan.eval_steps and index >= run_plan.eval_steps:
                 break
             stats = self.steps.eval(params, loop.to_global(batch, self.batch_sharding))
             totals = stats if totals is None else jax.tree.map(jnp.add, totals, stats)
         if totals is None:
-            size = run.eval_batch_size
+            size = run_plan.eval_batch_size
             logging.warning("Phase %s: no validation batch of %d; no evaluation.", phase.name, size)
             return {}
         metrics = jax.device_get(step_lib.metrics_from_stats(totals))

@@ -20,6 +20,7 @@ import copy
 
 import ml_collections
 
+from lambjax.train import method
 from lambjax.train.config import ConfigError, model_depth, with_phases
 
 
@@ -141,20 +142,6 @@ def standardization_loss(config: ml_collections.ConfigDict) -> ml_collections.Co
     return config
 
 
-def ouroboros(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
-    """Ouroboros (Yang et al., NeurIPS 2019, arXiv 1909.06695; lambjax.train.ouroboros):
-    the paper's Figure 2 layout, 4 modules on 3 stages with the first and the last module on
-    stage 0, where the depth divides by 3 (BERT-base and -large); else 3 modules on 2 stages
-    (the runlocal model's 2 layers). The rest of the devices go to the data axis.
-    `--config.ouroboros.num_modules` and `--config.mesh.stage` (= num_modules - 1) change it.
-    """
-    depth = model_depth(config)
-    modules = 4 if depth % 3 == 0 else 3
-    config.ouroboros.num_modules = modules
-    config.mesh.stage = modules - 1
-    return config
-
-
 def fast(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     """No dropout on the attention probabilities, as MosaicBERT, Cramming and MaxText
     pretrain: the fused attention kernels (cuDNN on GPU, splash on TPU) have none, so with it
@@ -170,7 +157,9 @@ VARIANTS = {
     "mslt": multi_stage,
     "chunked_accumulation": chunked_accumulation,
     "standardization_loss": standardization_loss,
-    "ouroboros": ouroboros,
+    # Ouroboros (Yang et al., NeurIPS 2019, arXiv 1909.06695), a step method of its own:
+    # 4 modules on 3 stages where the depth divides by 3, else 3 on 2.
+    "ouroboros": method.variant("lambjax.contrib.ouroboros"),
     "fast": fast,
 }
 

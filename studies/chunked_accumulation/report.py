@@ -24,7 +24,7 @@ import math
 
 from etils import epath
 
-from lambjax import variance_retention
+from lambjax.contrib import variance_retention
 from lambjax.sweep import plots
 from lambjax.train.metrics import format_duration
 from studies import curves

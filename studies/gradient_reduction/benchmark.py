@@ -105,11 +105,13 @@ def worker(args) -> None:
         for form in FORMS:
             step = functools.partial(
                 step_lib.train_step,
-                model_config=model,
-                optimizer=optimizer,
-                schedule=schedule,
-                grad_accum_steps=accum,
-                reduce_once_on=mesh if form == "once" else None,
+                settings=step_lib.StepSettings(
+                    model_config=model,
+                    optimizer=optimizer,
+                    schedule=schedule,
+                    grad_accum_steps=accum,
+                    reduce_once_on=mesh if form == "once" else None,
+                ),
             )
             compiled = jax.jit(
                 step,

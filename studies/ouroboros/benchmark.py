@@ -1,4 +1,4 @@
-"""Ouroboros (lambjax.train.ouroboros): its critical path per step, its wall-clock step on
+"""Ouroboros (lambjax.contrib.ouroboros): its critical path per step, its wall-clock step on
 two devices that run in parallel, and how it trains.
 
   python -m studies.ouroboros.benchmark critical_path [--preset base] [--rows 8] [--seq 128]
@@ -230,9 +230,10 @@ OVERLAP_ARMS = (
 def overlap_config(args, modules: int):
     """lambjax's config of the timed run: `--preset` at `--layers` layers, float32, LAMB, one
     phase; K = 1 on mesh data 2, K > 1 on mesh stage K - 1 (data 1)."""
+    from lambjax.contrib import ouroboros
     from lambjax.train import config as config_lib
 
-    config = config_lib.base_config()
+    config = ouroboros.configure(config_lib.base_config())
     config.model.preset = args.preset
     config.model.overrides.num_layers = args.layers
     config.model.overrides.dtype = "float32"
@@ -429,7 +430,7 @@ def train(workdir: str, modules: int, steps: int, layers: int) -> dict:
         sys.executable,
         "-m",
         "lambjax.main",
-        "--config=configs/bert_lamb.py:runlocal",
+        "--config=configs/bert_lamb.py:ouroboros,runlocal",
         f"--workdir={workdir}",
         "--config.phase_order=('phase1',)",
         f"--config.phases.phase1.num_steps={steps}",

@@ -159,10 +159,12 @@ def lowered_train_step(config, platform, seq=128, packed=False):
     batch = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), rows)
     step = functools.partial(
         step_lib.train_step,
-        model_config=config,
-        optimizer=optimizer,
-        schedule=optax.constant_schedule(1e-3),
-        grad_accum_steps=1,
+        settings=step_lib.StepSettings(
+            model_config=config,
+            optimizer=optimizer,
+            schedule=optax.constant_schedule(1e-3),
+            grad_accum_steps=1,
+        ),
     )
     traced = jax.jit(step).trace(state, batch, jax.random.key(1))
     return traced.lower(lowering_platforms=(platform,)).as_text()

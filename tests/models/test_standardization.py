@@ -122,11 +122,13 @@ def test_training_with_it_lowers_both_losses_and_logs_it():
     step = jax.jit(
         functools.partial(
             step_lib.train_step,
-            model_config=CONFIG,
-            optimizer=optimizer,
-            schedule=optax.constant_schedule(1e-2),
-            grad_accum_steps=2,
-            standardization_loss_weight=1e-2,
+            settings=step_lib.StepSettings(
+                model_config=CONFIG,
+                optimizer=optimizer,
+                schedule=optax.constant_schedule(1e-2),
+                grad_accum_steps=2,
+                standardization_loss_weight=1e-2,
+            ),
         )
     )
     state = TrainState.create(initial_params(), optimizer)
@@ -203,11 +205,13 @@ def test_weight_zero_is_bitwise_the_model_without_normalization():
         step = jax.jit(
             functools.partial(
                 step_lib.train_step,
-                model_config=CONFIG,
-                optimizer=optimizer,
-                schedule=optax.constant_schedule(1e-3),
-                grad_accum_steps=1,
-                **standardization,
+                settings=step_lib.StepSettings(
+                    model_config=CONFIG,
+                    optimizer=optimizer,
+                    schedule=optax.constant_schedule(1e-3),
+                    grad_accum_steps=1,
+                    **standardization,
+                ),
             )
         )
         state = TrainState.create(initial_params(), optimizer)

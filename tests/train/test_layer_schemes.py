@@ -14,7 +14,7 @@ from lambjax.models.config import BertConfig
 from lambjax.models.encoder import LayerOptions
 from lambjax.models.params import init_params, param_logical_axes
 from lambjax.train import config as config_lib
-from lambjax.train import plan, stacking, throughput, variants
+from lambjax.train import layerwise, plan, throughput, variants
 from lambjax.train import step as step_lib
 from lambjax.train.config import optimizer_config
 from lambjax.train.layer_drop import LayerDrop
@@ -34,11 +34,13 @@ def run_steps(name="lamb", steps=3, accum=2, **step_kwargs):
     step = jax.jit(
         functools.partial(
             step_lib.train_step,
-            model_config=CONFIG,
-            optimizer=optimizer(name),
-            schedule=optax.constant_schedule(1e-3),
-            grad_accum_steps=accum,
-            **step_kwargs,
+            settings=step_lib.StepSettings(
+                model_config=CONFIG,
+                optimizer=optimizer(name),
+                schedule=optax.constant_schedule(1e-3),
+                grad_accum_steps=accum,
+                **step_kwargs,
+            ),
         )
     )
     params = init_params(CONFIG, jax.random.key(0))
@@ -161,11 +163,13 @@ def test_dropping_gives_the_same_step_on_8_sharded_devices():
     step = jax.jit(
         functools.partial(
             step_lib.train_step,
-            model_config=CONFIG,
-            optimizer=optimizer("lamb"),
-            schedule=optax.constant_schedule(1e-3),
-            grad_accum_steps=2,
-            layer_drop=drop,
+            settings=step_lib.StepSettings(
+                model_config=CONFIG,
+                optimizer=optimizer("lamb"),
+                schedule=optax.constant_schedule(1e-3),
+                grad_accum_steps=2,
+                layer_drop=drop,
+            ),
         )
     )
     for index in range(3):
@@ -183,11 +187,11 @@ def test_dropping_gives_the_same_step_on_8_sharded_devices():
 
 def test_split_and_merge_are_inverse():
     params = init_params(CONFIG, jax.random.key(0))
-    trainable, frozen = stacking.split(params, 3)
+    trainable, frozen = layerwise.split(params, 3)
     assert "embeddings" not in trainable
     assert jax.tree.leaves(trainable["encoder"]["layers"])[0].shape[0] == 1
-    assert_trees_equal(stacking.merge(trainable, frozen), params)
-    assert stacking.split(params, 0) == (params, None)
+    assert_trees_equal(layerwise.merge(trainable, frozen), params)
+    assert layerwise.split(params, 0) == (params, None)
 
 
 def test_frozen_layers_and_embeddings_stay_bit_identical_through_a_stage():
@@ -211,7 +215,7 @@ def test_frozen_layers_and_embeddings_stay_bit_identical_through_a_stage():
 
 def test_optimizer_state_exists_only_for_the_trained_layers():
     params = init_params(CONFIG, jax.random.key(0))
-    trainable, _ = stacking.split(params, 3)
+    trainable, _ = layerwise.split(params, 3)
     state = TrainState.create(params, optimizer("lans"), num_frozen_layers=3)
     shapes = lambda tree: [x.shape for x in jax.tree.leaves(tree)]  # noqa: E731
     assert shapes(state.opt_state) == shapes(optimizer("lans").init(trainable))
@@ -226,10 +230,10 @@ def test_no_backward_pass_runs_through_frozen_layers():
     params = init_params(config, jax.random.key(0))
     x = random_batch(0)
     frozen_count = 3
-    trainable, frozen = stacking.split(params, frozen_count)
+    trainable, frozen = layerwise.split(params, frozen_count)
 
     def loss(trainable):
-        merged = stacking.merge(trainable, frozen)
+        merged = layerwise.merge(trainable, frozen)
         options = LayerOptions(num_frozen_layers=frozen_count)
         stats = pretraining.pretraining_stats(config, merged, x, options=options)
         return stats["mlm_loss_sum"]
@@ -247,7 +251,7 @@ def test_no_backward_pass_runs_through_frozen_layers():
 def test_grow_layers_copies_the_top_layers():
     config = BertConfig.preset("tiny", vocab_size=64, num_layers=3, dtype="float32")
     params = init_params(config, jax.random.key(0))
-    grown_config, grown = stacking.grow_layers(config, params, 5)
+    grown_config, grown = layerwise.grow_layers(config, params, 5)
     assert grown_config.num_layers == 5
     src = params["encoder"]["layers"]["mlp"]["output"]["kernel"]
     new = grown["encoder"]["layers"]["mlp"]["output"]["kernel"]
@@ -314,7 +318,7 @@ def test_a_trained_decoder_changes_while_the_frozen_layers_and_lookups_do_not():
     assert_trees_equal(other_embeddings(params), other_embeddings(state.params))
     word = params["embeddings"]["word"]["embedding"]
     assert bool(jnp.any(state.params["embeddings"]["word"]["embedding"] != word))
-    view, _ = stacking.split(params, 2, train_decoder=True)
+    view, _ = layerwise.split(params, 2, train_decoder=True)
     shapes = lambda tree: [x.shape for x in jax.tree.leaves(tree)]  # noqa: E731
     assert shapes(state.opt_state) == shapes(optimizer("lamb").init(view))
     moments = optax.tree_utils.tree_get_all_with_path(state.opt_state, "word")
@@ -330,10 +334,10 @@ def test_the_trained_decoder_gradient_is_the_output_projection_part(scan_layers)
     config = dataclasses.replace(CONFIG, scan_layers=scan_layers)
     params = init_params(config, jax.random.key(0))
     x = random_batch(0)
-    trainable, frozen = stacking.split(params, 2, train_decoder=True)
+    trainable, frozen = layerwise.split(params, 2, train_decoder=True)
 
     def stage_loss(trainable):
-        merged = stacking.merge(trainable, frozen)
+        merged = layerwise.merge(trainable, frozen)
         stats = pretraining.pretraining_stats(
             config, merged, x, options=LayerOptions(num_frozen_layers=2)
         )

@@ -17,7 +17,7 @@ from jax._src.cudnn import fused_attention_stablehlo
 from lambjax.models import layer_layout
 from lambjax.models.config import BertConfig
 from lambjax.models.params import init_params, param_logical_axes
-from lambjax.train import checkpointing, layout, stacking
+from lambjax.train import checkpointing, layerwise, layout
 from lambjax.train import step as step_lib
 from lambjax.train.config import optimizer_config
 from lambjax.train.optimizer import make_optimizer
@@ -49,11 +49,13 @@ def jitted_step(config, name, num_frozen_layers=0):
     return jax.jit(
         functools.partial(
             step_lib.train_step,
-            model_config=config,
-            optimizer=optimizer(name),
-            schedule=optax.constant_schedule(1e-2),
-            grad_accum_steps=1,
-            num_frozen_layers=num_frozen_layers,
+            settings=step_lib.StepSettings(
+                model_config=config,
+                optimizer=optimizer(name),
+                schedule=optax.constant_schedule(1e-2),
+                grad_accum_steps=1,
+                num_frozen_layers=num_frozen_layers,
+            ),
         )
     )
 
@@ -95,7 +97,7 @@ def test_to_running_and_to_rest_are_exact_inverses(name, num_frozen_layers):
         stacked.params["encoder"]["layers"]["mlp"]["intermediate"]["kernel"][1],
     )
     # The optimizer state converted is the one the optimizer builds for per-layer params.
-    trainable, _ = stacking.split(running.params, num_frozen_layers)
+    trainable, _ = layerwise.split(running.params, num_frozen_layers)
     fresh = optimizer(name).init(trainable)
     assert jax.tree.structure(running.opt_state) == jax.tree.structure(fresh)
     assert [x.shape for x in jax.tree.leaves(running.opt_state)] == [
@@ -226,10 +228,12 @@ def lowered_and_compiled(config, per_layer: bool) -> tuple[str, str]:
     batch = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), random_batch(0))
     step = functools.partial(
         step_lib.train_step,
-        model_config=config,
-        optimizer=optimizer(name),
-        schedule=optax.constant_schedule(1e-2),
-        grad_accum_steps=1,
+        settings=step_lib.StepSettings(
+            model_config=config,
+            optimizer=optimizer(name),
+            schedule=optax.constant_schedule(1e-2),
+            grad_accum_steps=1,
+        ),
     )
     traced = jax.jit(step, donate_argnums=(0,)).trace(state, batch, jax.random.key(1))
     cuda = traced.lower(lowering_platforms=("cuda",)).as_text()

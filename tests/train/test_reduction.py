@@ -45,11 +45,13 @@ def compiled_step(once: bool):
     )
     step = functools.partial(
         step_lib.train_step,
-        model_config=CONFIG,
-        optimizer=optimizer,
-        schedule=optax.constant_schedule(1e-3),
-        grad_accum_steps=ACCUM,
-        reduce_once_on=mesh if once else None,
+        settings=step_lib.StepSettings(
+            model_config=CONFIG,
+            optimizer=optimizer,
+            schedule=optax.constant_schedule(1e-3),
+            grad_accum_steps=ACCUM,
+            reduce_once_on=mesh if once else None,
+        ),
     )
     replicated = sharding.replicated(mesh)
     jitted = jax.jit(

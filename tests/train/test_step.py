@@ -12,7 +12,7 @@ from lambjax import optim
 from lambjax.models import pretraining
 from lambjax.models.config import BertConfig
 from lambjax.models.params import init_params
-from lambjax.train import stacking, trainer
+from lambjax.train import layerwise, trainer
 from lambjax.train import step as step_lib
 from lambjax.train.config import optimizer_config
 from lambjax.train.optimizer import make_optimizer
@@ -40,11 +40,13 @@ def jitted_step(optimizer, accum, num_frozen_layers=0):
     return jax.jit(
         functools.partial(
             step_lib.train_step,
-            model_config=CONFIG,
-            optimizer=optimizer,
-            schedule=optax.constant_schedule(1e-3),
-            grad_accum_steps=accum,
-            num_frozen_layers=num_frozen_layers,
+            settings=step_lib.StepSettings(
+                model_config=CONFIG,
+                optimizer=optimizer,
+                schedule=optax.constant_schedule(1e-3),
+                grad_accum_steps=accum,
+                num_frozen_layers=num_frozen_layers,
+            ),
         )
     )
 
@@ -157,8 +159,8 @@ def test_logged_norms_are_the_norms_of_the_step(name, accum, num_frozen_layers):
     optimizer = make_case_optimizer(name)
     state, batch = fresh_state(optimizer, num_frozen_layers), random_batch()
     _, metrics = jitted_step(optimizer, accum, num_frozen_layers)(state, batch, jax.random.key(1))
-    trainable, _ = stacking.split(state.params, num_frozen_layers)
-    grads, _ = stacking.split(reference_gradient(state.params, batch), num_frozen_layers)
+    trainable, _ = layerwise.split(state.params, num_frozen_layers)
+    grads, _ = layerwise.split(reference_gradient(state.params, batch), num_frozen_layers)
     if NORM_CASES[name][1]["max_global_norm"]:
         assert f64_norm(grads) > 0.5  # the clip acts
     assert float(metrics["grad_norm"]) == pytest.approx(f64_norm(grads), rel=1e-5)
@@ -173,7 +175,7 @@ def test_logged_norms_are_the_norms_of_the_step(name, accum, num_frozen_layers):
     assert float(metrics["grad_norm"]) == pytest.approx(f64_norm(grads), rel=1e-6)
     assert float(metrics["param_norm"]) == pytest.approx(f64_norm(state.params), rel=1e-6)
     assert float(metrics["update_norm"]) == pytest.approx(f64_norm(updates), rel=1e-6)
-    applied, _ = stacking.split(new_state.params, num_frozen_layers)
+    applied, _ = layerwise.split(new_state.params, num_frozen_layers)
     expected = optax.apply_updates(trainable, updates)
     for got, want in zip(jax.tree.leaves(applied), jax.tree.leaves(expected), strict=True):
         np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-7)

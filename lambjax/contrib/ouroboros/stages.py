@@ -1,4 +1,4 @@
-"""BERT split into K modules on K - 1 pipeline stages, and what each stage computes.
+"""BERT split into K modules on K - 1 stages (Ouroboros), and what each stage computes.
 
 The L encoder layers go to S = K - 1 stages of L / S layers each (`Split`). Stage 0 holds
 module 1 (the embeddings and the first `Split.first` layers) and module K (the last
@@ -19,7 +19,7 @@ fold_in(layers key, i)), so the modules chained reproduce the model's own forwar
                    a module's forward again, its output gradient pulled back through it
 
 When each stage runs, on which batch and with which weights is the training step's
-(lambjax.train.ouroboros).
+(lambjax.contrib.ouroboros.step).
 """
 
 import dataclasses
@@ -87,7 +87,7 @@ class Split:
 
 
 def valid_module_counts(num_layers: int) -> list[int]:
-    """The numbers of modules that split `num_layers` layers (1: no pipeline)."""
+    """The numbers of modules that split `num_layers` layers (1: one module, no stages)."""
     return [1] + [s + 1 for s in range(1, num_layers + 1) if num_layers % s == 0]
 
 

@@ -1,9 +1,9 @@
-"""lambjax.variance_retention: the derived prediction against hand-computed values, its
+"""lambjax.contrib.variance_retention: the derived prediction against hand-computed values, its
 limits, and the emulation it predicts (Sakr et al. 2019, arXiv 1901.06588)."""
 
 import pytest
 
-from lambjax import variance_retention as vrr
+from lambjax.contrib import variance_retention as vrr
 
 # The standard normal CDF at the points the hand computations need (printed tables).
 PHI = {

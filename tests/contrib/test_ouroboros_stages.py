@@ -1,4 +1,4 @@
-"""lambjax.models.pipeline: BERT's modules on pipeline stages, chained by hand, are BERT.
+"""lambjax.contrib.ouroboros.stages: BERT's modules on stages, chained by hand, are BERT.
 
 The reference is the unsplit model (lambjax.models.pretraining) under the same dropout key:
 the stages' forwards chained give its loss statistics, and the replays chained back from
@@ -12,7 +12,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from lambjax.models import pipeline, pretraining
+from lambjax.contrib.ouroboros import stages
+from lambjax.models import pretraining
 from lambjax.models.config import BertConfig
 from lambjax.models.params import init_params
 from tests.helpers import random_batch
@@ -44,7 +45,7 @@ def unsplit(config, params, batch, rng):
 def chained(model, params, batch, rng):
     """The same, stage by stage: forwards up, module K's gradient, replays down."""
     split = model.split
-    layers = pipeline.stage_order(split, params["encoder"]["layers"])
+    layers = stages.stage_order(split, params["encoder"]["layers"])
     blocks = [
         jax.tree.map(lambda x, s=s: x[s * split.per_stage : (s + 1) * split.per_stage], layers)
         for s in range(split.stages)
@@ -58,32 +59,30 @@ def chained(model, params, batch, rng):
     tokens = {k: batch[k] for k in ("input_ids", "segment_ids", "input_mask")}
     mask = batch["input_mask"]
     inputs = [None]  # each stage's input
-    h = pipeline.first_module(
+    h = stages.first_module(
         model,
         params["embeddings"],
-        pipeline.first_module_layers(split, blocks[0]),
+        stages.first_module_layers(split, blocks[0]),
         tokens,
         rng,
     )
     for s in range(1, split.stages):
         inputs.append(h)
-        h = pipeline.middle_module(model, s, blocks[s], h, mask, rng)
+        h = stages.middle_module(model, s, blocks[s], h, mask, rng)
     totals = (jnp.sum(batch["masked_lm_weights"].astype(jnp.float32)), jnp.float32(BATCH))
-    stats, (g_last, g_heads, g_final, g_word, delta) = pipeline.top_gradients(
+    stats, (g_last, g_heads, g_final, g_word, delta) = stages.top_gradients(
         model, stage0, h, batch, rng, totals
     )
     g_blocks = [None] * split.stages
     for s in reversed(range(1, split.stages)):
-        g_blocks[s], delta = pipeline.replay_middle(
-            model, s, blocks[s], inputs[s], mask, rng, delta
-        )
-    g_embeddings, g_blocks[0] = pipeline.replay_first(
+        g_blocks[s], delta = stages.replay_middle(model, s, blocks[s], inputs[s], mask, rng, delta)
+    g_embeddings, g_blocks[0] = stages.replay_first(
         model, params["embeddings"], blocks[0], tokens, rng, delta
     )
-    g_blocks[0] = jax.tree.map(jnp.add, g_blocks[0], pipeline.pad_block(split, g_last, 0))
+    g_blocks[0] = jax.tree.map(jnp.add, g_blocks[0], stages.pad_block(split, g_last, 0))
     g_embeddings["word"]["embedding"] = g_embeddings["word"]["embedding"] + g_word
     g_layers = jax.tree.map(lambda *b: jnp.concatenate(b), *g_blocks)
-    encoder = {"layers": pipeline.model_order(split, g_layers)}
+    encoder = {"layers": stages.model_order(split, g_layers)}
     if "final_layer_norm" in params["encoder"]:
         encoder["final_layer_norm"] = g_final
     return stats, {"embeddings": g_embeddings, "encoder": encoder, "heads": g_heads}
@@ -93,7 +92,7 @@ def test_the_stages_chained_are_the_model():
     """3 modules on 2 stages (4 layers: 1 | 2 | 1), PreLN, with dropout. Eager, and the
     layers in a Python loop: this small a model compiles for longer than it runs."""
     config = dataclasses.replace(CONFIG, layer_norm="pre", scan_layers=False)
-    model = pipeline.StageModel(config, pipeline.Split(3, config.num_layers))
+    model = stages.StageModel(config, stages.Split(3, config.num_layers))
     params = init_params(config, jax.random.key(0))
     batch = jax.tree.map(
         jnp.asarray, random_batch(0, batch=BATCH, seq=SEQ, predictions=2, vocab_size=64)
@@ -107,7 +106,7 @@ def test_the_stages_chained_are_the_model():
 
 
 def test_a_split_that_does_not_fill_the_stages_names_the_valid_counts():
-    assert pipeline.valid_module_counts(4) == [1, 2, 3, 5]
-    pipeline.check(1, 4)  # off
+    assert stages.valid_module_counts(4) == [1, 2, 3, 5]
+    stages.check(1, 4)  # off
     with pytest.raises(ValueError, match=r"4 modules take 3 stages .* \[1, 2, 3, 5\]"):
-        pipeline.check(4, 4)
+        stages.check(4, 4)

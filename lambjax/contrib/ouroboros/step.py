@@ -3,8 +3,8 @@
 Module k (1 = bottom, K = top) is updated at step t with the gradient of the batch of step
 t - (K - k), taken at the weights of that step (`replay='stale'`), or at the current weights
 (`replay='current'`, Features Replay). The model's split and each stage's computations are in
-lambjax.models.pipeline; this module runs them on the mesh data x stage, keeps what flows from
-one step to the next and applies the update.
+lambjax.contrib.ouroboros.stages; this module runs them on the mesh data x stage, keeps what
+flows from one step to the next and applies the update.
 
 One step, per micro-batch, inside `shard_map` (every stage runs the same program, each branch
 under `lax.cond` on the stage index, the collectives outside the branches):
@@ -18,10 +18,10 @@ under `lax.cond` on the stage index, the collectives outside the branches):
             One reverse `ppermute` moves every input gradient one stage down (stage 0's round
             to stage S - 1): the next step's mailboxes.
 The gradients go through the recipe's optimizer unchanged; a module without a gradient yet
-(module k in a phase's first K - k pipelined steps) keeps its weights and moments.
+(module k in a phase's first K - k delayed steps) keeps its weights and moments.
 
-Carried between steps in `TrainState.pipeline` (checkpointed, so a killed run resumes bitwise),
-D = K - 1 ring-buffer slots, batch t in slot t % D:
+Carried between steps in `TrainState.method_state` (checkpointed, so a killed run resumes
+bitwise), D = K - 1 ring-buffer slots, batch t in slot t % D:
   tokens   [S, D, G, T]     each stage's copy of the token ids, segments and masks in flight
   hidden   [S, D, G, T, H]  each stage's module inputs of those batches (unused on stage 0)
   mailbox  [S, G, T, H]     the output gradient each stage pulls back at the next step
@@ -40,8 +40,8 @@ import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from lambjax.contrib.ouroboros import stages as stages_lib
 from lambjax.models import bert
-from lambjax.models import pipeline as pipeline_lib
 from lambjax.train import step as step_lib
 from lambjax.train.state import TrainState
 
@@ -50,10 +50,10 @@ TOKEN_KEYS = ("input_ids", "segment_ids", "input_mask")
 
 
 @dataclasses.dataclass(frozen=True)
-class PipelineStep:
+class OuroborosStep:
     """The settings of an Ouroboros step: everything but its (state, batch, rng)."""
 
-    split: pipeline_lib.Split
+    split: stages_lib.Split
     mesh: jax.sharding.Mesh  # data x stage, stage = split.stages
     model_config: bert.BertConfig
     optimizer: optax.GradientTransformation
@@ -61,7 +61,7 @@ class PipelineStep:
     grad_accum_steps: int
     replay: str = "stale"  # one of REPLAYS
     nsp_loss_weight: float = 1.0
-    # Steps of ordinary backpropagation at the start of a phase, before the pipeline fills.
+    # Steps of ordinary backpropagation at the start of a phase, before the buffers fill.
     synchronous_steps: int = 0
 
     def __post_init__(self):
@@ -75,31 +75,31 @@ class PipelineStep:
             )
 
     @property
-    def model(self) -> pipeline_lib.StageModel:
-        return pipeline_lib.StageModel(self.model_config, self.split, self.nsp_loss_weight)
+    def model(self) -> stages_lib.StageModel:
+        return stages_lib.StageModel(self.model_config, self.split, self.nsp_loss_weight)
 
 
 # ----------------------------------------------------------------------------------------
 # The state carried between steps
 
 
-def init_pipeline(
-    split: pipeline_lib.Split, params, *, global_batch_size: int, seq_len: int, dtype, replay
+def init_buffers(
+    split: stages_lib.Split, params, *, global_batch_size: int, seq_len: int, dtype, replay
 ):
     """Empty buffers (module k's first K - k steps have no gradient yet)."""
     stages = slots = split.stages
     hidden = params["embeddings"]["word"]["embedding"].shape[1]
     rows = (stages, slots, global_batch_size, seq_len)
-    pipeline = {
+    buffers = {
         "tokens": {k: jnp.zeros(rows, jnp.int32) for k in TOKEN_KEYS},
         "hidden": jnp.zeros(rows + (hidden,), dtype),
         "mailbox": jnp.zeros((stages, global_batch_size, seq_len, hidden), dtype),
     }
     if replay == "stale":
-        pipeline["weights"] = jax.tree.map(
+        buffers["weights"] = jax.tree.map(
             lambda x: jnp.zeros((slots,) + x.shape, x.dtype), _replayed(params)
         )
-    return pipeline
+    return buffers
 
 
 def _replayed(params) -> dict:
@@ -107,7 +107,7 @@ def _replayed(params) -> dict:
     return {"embeddings": params["embeddings"], "layers": params["encoder"]["layers"]}
 
 
-def pipeline_shardings(abstract_pipeline, param_shardings, mesh):
+def buffer_shardings(abstract_buffers, param_shardings, mesh):
     """Buffers split over stage x data; the weight history like the parameters it copies."""
     rows = NamedSharding(mesh, P("stage", None, "data"))
     shardings = {
@@ -115,7 +115,7 @@ def pipeline_shardings(abstract_pipeline, param_shardings, mesh):
         "hidden": rows,
         "mailbox": NamedSharding(mesh, P("stage", "data")),
     }
-    if "weights" in abstract_pipeline:
+    if "weights" in abstract_buffers:
         shardings["weights"] = jax.tree.map(
             lambda s: NamedSharding(mesh, P(None, *s.spec)), _replayed(param_shardings)
         )
@@ -127,52 +127,50 @@ def pipeline_shardings(abstract_pipeline, param_shardings, mesh):
 
 
 def train_step(
-    state: TrainState, batch: dict, rng: jax.Array, *, settings: PipelineStep
+    state: TrainState, batch: dict, rng: jax.Array, *, settings: OuroborosStep
 ) -> tuple[TrainState, dict]:
     """One Ouroboros iteration: the delayed gradients, then the update of every module that
     has one. The counterpart of lambjax.train.step.train_step (the same metrics, and
     `ouroboros_modules_updated`).
 
     The first `settings.synchronous_steps` steps of a phase are ordinary backpropagation (a
-    warm-up; the pipeline then fills from empty), the rest pipelined."""
+    warm-up; the buffers then fill from empty), the rest delayed."""
     if not settings.synchronous_steps:
-        return _pipelined_step(state, batch, rng, state.step, settings)
+        return _delayed_step(state, batch, rng, state.step, settings)
 
     def delayed(state, batch, rng):  # its own dropout keys: not those of the warm-up steps
-        pipeline_rng = jax.random.fold_in(rng, _PIPELINE_STREAM)
+        delayed_rng = jax.random.fold_in(rng, _DELAYED_STREAM)
         iteration = state.step - settings.synchronous_steps
-        return _pipelined_step(state, batch, pipeline_rng, iteration, settings)
+        return _delayed_step(state, batch, delayed_rng, iteration, settings)
 
     synchronous = functools.partial(_synchronous_step, settings=settings)
     warming_up = state.step < settings.synchronous_steps
     return jax.lax.cond(warming_up, synchronous, delayed, state, batch, rng)
 
 
-# fold_in constant of the pipelined steps' keys after a synchronous warm-up.
-_PIPELINE_STREAM = 0x4F5552
+# fold_in constant of the delayed steps' keys after a synchronous warm-up.
+_DELAYED_STREAM = 0x4F5552
 
 
-def _synchronous_step(state, batch, rng, *, settings: PipelineStep):
+def _synchronous_step(state, batch, rng, *, settings: OuroborosStep):
     """A step of ordinary backpropagation (lambjax.train.step), every module updated."""
-    new_state, metrics = step_lib.train_step(
-        state,
-        batch,
-        rng,
+    core_settings = step_lib.StepSettings(
         model_config=settings.model_config,
         optimizer=settings.optimizer,
         schedule=settings.schedule,
         grad_accum_steps=settings.grad_accum_steps,
         nsp_loss_weight=settings.nsp_loss_weight,
     )
+    new_state, metrics = step_lib.train_step(state, batch, rng, settings=core_settings)
     metrics["ouroboros_modules_updated"] = jnp.float32(settings.split.num_modules)
     return new_state, metrics
 
 
-def _pipelined_step(state, batch, rng, iteration, settings: PipelineStep):
-    """The pipelined step; `iteration` counts the steps since the pipeline started."""
+def _delayed_step(state, batch, rng, iteration, settings: OuroborosStep):
+    """The delayed step; `iteration` counts the steps since the buffers started filling."""
     split, optimizer = settings.split, settings.optimizer
-    grads, stats, pipeline = pipeline_gradients(
-        state.params, state.pipeline, batch, rng, iteration, settings=settings
+    grads, stats, buffers = delayed_gradients(
+        state.params, state.method_state, batch, rng, iteration, settings=settings
     )
     metrics = step_lib.metrics_from_stats(stats)
     loss = metrics["mlm_loss"] + settings.nsp_loss_weight * metrics["nsp_loss"]
@@ -180,14 +178,14 @@ def _pipelined_step(state, batch, rng, iteration, settings: PipelineStep):
     updated, update_metrics = step_lib.apply_if_finite(state, grads, loss, optimizer, 0)
     params = jax.tree.map(_select, active, updated.params, state.params)
     opt_state = _select_optimizer_state(optimizer, active, updated.opt_state, state.opt_state)
-    if "weights" in pipeline:  # this step's weights, for the replays of the next D steps
+    if "weights" in buffers:  # this step's weights, for the replays of the next D steps
         slot = iteration % split.stages
-        pipeline["weights"] = jax.tree.map(
+        buffers["weights"] = jax.tree.map(
             lambda history, w: jax.lax.dynamic_update_index_in_dim(history, w, slot, 0),
-            pipeline["weights"],
+            buffers["weights"],
             _replayed(state.params),
         )
-    new_state = updated.replace(params=params, opt_state=opt_state, pipeline=pipeline)
+    new_state = updated.replace(params=params, opt_state=opt_state, method_state=buffers)
     update_metrics["update_norm"] = optax.global_norm(
         jax.tree.map(jnp.subtract, params, state.params)
     )
@@ -199,7 +197,7 @@ def _pipelined_step(state, batch, rng, iteration, settings: PipelineStep):
     return new_state, metrics
 
 
-def active_modules(split: pipeline_lib.Split, step: jax.Array, params):
+def active_modules(split: stages_lib.Split, step: jax.Array, params):
     """A tree like `params`: whether each leaf (each layer, for the stacked layers) has a
     gradient at `step`. Module k has one from step K - k on."""
     layers = step >= jnp.asarray(split.layer_delays())
@@ -244,23 +242,23 @@ _BUFFERS = {
 }
 
 
-def pipeline_gradients(params, pipeline, batch, rng, step, *, settings: PipelineStep):
+def delayed_gradients(params, carried, batch, rng, step, *, settings: OuroborosStep):
     """(Delayed gradients in the layout of `params`, the loss statistics of `batch`, the
     updated buffers). Zero gradients where a module has none yet."""
     split = settings.split
     encoder = params["encoder"]
     local = {
         "embeddings": params["embeddings"],
-        "layers": pipeline_lib.stage_order(split, encoder["layers"]),
+        "layers": stages_lib.stage_order(split, encoder["layers"]),
         "heads": params["heads"],
         "final": encoder.get("final_layer_norm", {}),
     }
-    buffers = {k: v for k, v in pipeline.items() if k != "weights"}
+    buffers = {k: v for k, v in carried.items() if k != "weights"}
     weights = None
-    if "weights" in pipeline:
+    if "weights" in carried:
         weights = {
-            "embeddings": pipeline["weights"]["embeddings"],
-            "layers": pipeline_lib.stage_order(split, pipeline["weights"]["layers"], axis=1),
+            "embeddings": carried["weights"]["embeddings"],
+            "layers": stages_lib.stage_order(split, carried["weights"]["layers"], axis=1),
         }
     weight_specs = None if weights is None else _WEIGHT_HISTORY
     grads, stats, buffers = jax.shard_map(
@@ -270,19 +268,19 @@ def pipeline_gradients(params, pipeline, batch, rng, step, *, settings: Pipeline
         out_specs=(_STAGE_PARAMS, P(), _BUFFERS),
         check_vma=False,
     )(local, weights, buffers, batch, rng, step)
-    encoder_grads = {"layers": pipeline_lib.model_order(split, grads["layers"])}
+    encoder_grads = {"layers": stages_lib.model_order(split, grads["layers"])}
     if "final_layer_norm" in encoder:
         encoder_grads["final_layer_norm"] = grads["final"]
     grads = {"embeddings": grads["embeddings"], "encoder": encoder_grads, "heads": grads["heads"]}
     if weights is not None:
-        buffers["weights"] = pipeline["weights"]
+        buffers["weights"] = carried["weights"]
     return grads, stats, buffers
 
 
 class _Stage(NamedTuple):
     """One stage's view of the step (inside shard_map)."""
 
-    model: pipeline_lib.StageModel
+    model: stages_lib.StageModel
     index: jax.Array  # on the mesh axis `stage`
     params: dict  # embeddings, layers (this stage's block), heads, final
     replay_embeddings: dict  # the weights of the replays: of then, or the current ones
@@ -302,7 +300,7 @@ class _Then(NamedTuple):
     rng: jax.Array
 
 
-def _device_step(params, weights, buffers, batch, rng, step, *, settings: PipelineStep):
+def _device_step(params, weights, buffers, batch, rng, step, *, settings: OuroborosStep):
     """One stage's part of the iteration (inside shard_map: `batch` is this data shard's rows,
     `params["layers"]` this stage's L / S layers, the buffers this stage's)."""
     stages = settings.split.stages
@@ -365,7 +363,7 @@ def _global_totals(batch):
 
 
 def _microbatch_step(stage: _Stage, carry, xs):
-    """One micro-batch through the pipeline: the forward climb with the replays beside it,
+    """One micro-batch through the stages: the forward climb with the replays beside it,
     module K's gradient, and the input gradients handed one stage down."""
     microbatch, tokens_then, hidden_then, mailbox, index = xs
     rng = jax.random.fold_in(stage.rng, index)
@@ -393,10 +391,10 @@ def _forward(stage: _Stage, tokens, rng, then: _Then):
     zeros = jnp.zeros(then.hidden.shape, then.hidden.dtype)
     h = jax.lax.cond(
         stage.index == 0,
-        lambda: pipeline_lib.first_module(
+        lambda: stages_lib.first_module(
             model,
             params["embeddings"],
-            pipeline_lib.first_module_layers(split, params["layers"]),
+            stages_lib.first_module_layers(split, params["layers"]),
             tokens,
             rng,
         ),
@@ -409,7 +407,7 @@ def _forward(stage: _Stage, tokens, rng, then: _Then):
         stage_input = jnp.where(stage.index == i, h, stage_input)
         h = jax.lax.cond(
             stage.index == i,
-            lambda h, i=i: pipeline_lib.middle_module(
+            lambda h, i=i: stages_lib.middle_module(
                 model, i, params["layers"], h, tokens["input_mask"], rng
             ),
             lambda h: h,
@@ -426,9 +424,7 @@ def _top_on_stage_zero(stage: _Stage, h, microbatch, rng):
     layers, heads, final LayerNorm, word embedding as output projection and its input)."""
 
     def top(h):
-        return pipeline_lib.top_gradients(
-            stage.model, stage.params, h, microbatch, rng, stage.totals
-        )
+        return stages_lib.top_gradients(stage.model, stage.params, h, microbatch, rng, stage.totals)
 
     shapes = jax.eval_shape(top, h)
     return jax.lax.cond(stage.index == 0, top, lambda h: _zeros(shapes), h)
@@ -440,13 +436,13 @@ def _replay_on(stage: _Stage, j: int, then: _Then):
     model = stage.model
 
     def replay_first():
-        g_embeddings, g_layers = pipeline_lib.replay_first(
+        g_embeddings, g_layers = stages_lib.replay_first(
             model, stage.replay_embeddings, stage.replay_layers, then.tokens, then.rng, then.mailbox
         )
         return g_embeddings, g_layers, jnp.zeros(then.hidden.shape, then.hidden.dtype)
 
     def replay_middle():
-        g_layers, delta = pipeline_lib.replay_middle(
+        g_layers, delta = stages_lib.replay_middle(
             model,
             j,
             stage.replay_layers,
@@ -477,7 +473,7 @@ def _stage_gradients(stage: _Stage, replays, top_grads):
         lambda g: jnp.where(stage.filled, g, jnp.zeros_like(g)), replayed
     )
     g_embeddings["word"]["embedding"] = g_embeddings["word"]["embedding"] + g_word
-    g_top_layers = pipeline_lib.pad_block(stage.model.split, g_last, 0)
+    g_top_layers = stages_lib.pad_block(stage.model.split, g_last, 0)
     grads = {
         "embeddings": g_embeddings,
         "layers": jax.tree.map(jnp.add, g_layers, g_top_layers),
@@ -511,64 +507,3 @@ def _next_buffers(buffers, batch, stage_inputs, received, slot):
         "hidden": write(buffers["hidden"], _merge_rows(stage_inputs)),
         "mailbox": _merge_rows(received),
     }
-
-
-def check_settings(settings) -> None:
-    """`config.ouroboros`'s own values, named by their field."""
-    modules, replay = settings.num_modules, settings.replay
-    if not isinstance(modules, int) or modules < 1:
-        raise ValueError(f"config.ouroboros.num_modules={modules!r} must be an integer >= 1")
-    warmup = settings.synchronous_steps
-    if not isinstance(warmup, int) or warmup < 0:
-        raise ValueError(f"config.ouroboros.synchronous_steps={warmup!r} must be an integer >= 0")
-    if replay not in REPLAYS:
-        raise ValueError(f"config.ouroboros.replay={replay!r}; valid: {REPLAYS}")
-
-
-def check_plan(settings, phases) -> None:
-    """`config.ouroboros` against the run's phase plans (lambjax.train.plan): K against the
-    depth, the mesh (data x stage, stage = K - 1) and the schemes it does not combine with.
-    Its own values were checked first (`check_settings`)."""
-    modules = settings.num_modules
-    on = modules > 1
-    if on and phases[0].layer_drop is not None:
-        raise ValueError(
-            "config.ouroboros.num_modules > 1 and config.layer_drop.enabled=True: Ouroboros "
-            "runs every layer of every step; turn one of them off"
-        )
-    if on and phases[0].standardization_loss_weight > 0:
-        raise ValueError(
-            "config.ouroboros.num_modules > 1 with config.standardization_loss.weight > 0: "
-            "the pipeline carries no standardization loss; turn one of them off"
-        )
-    if on and any(phase.packing is not None for phase in phases):
-        raise ValueError(
-            "config.ouroboros.num_modules > 1 and config.data.packing=True: the pipelined step "
-            "reads one example per row; turn one of them off"
-        )
-    for phase in phases:
-        where, mesh = f"config.phases.{phase.name}", dict(phase.mesh)
-        if not on:
-            if mesh["stage"] > 1:
-                raise ValueError(
-                    f"{where}: mesh stage={mesh['stage']} splits the encoder into pipeline "
-                    f"stages, which only Ouroboros runs; set --config.ouroboros.num_modules="
-                    f"{mesh['stage'] + 1} (or the variant ouroboros), or mesh stage=1"
-                )
-            continue
-        if mesh["stage"] != modules - 1 or mesh["fsdp"] != 1 or mesh["tensor"] != 1:
-            raise ValueError(
-                f"{where}: config.ouroboros.num_modules={modules} runs on a mesh data x stage "
-                f"with stage={modules - 1} (the first and the last module share a stage) and "
-                f"fsdp=tensor=1, but the mesh is {mesh}; set --config.mesh.stage={modules - 1}"
-            )
-        if phase.num_frozen_layers:
-            raise ValueError(
-                f"{where}.frozen_layers={phase.num_frozen_layers}: Ouroboros trains "
-                f"every layer (no multi-stage layerwise training)"
-            )
-        depth = phase.model.num_layers
-        try:
-            pipeline_lib.check(modules, depth)
-        except ValueError as e:
-            raise ValueError(f"config.ouroboros ({where}, {depth} layers): {e}") from None

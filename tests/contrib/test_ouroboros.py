@@ -1,9 +1,9 @@
-"""Ouroboros (lambjax.train.ouroboros) against its update rule.
+"""Ouroboros (lambjax.contrib.ouroboros) against its update rule.
 
-The reference is the rule itself, written without a pipeline: every step takes the whole
+The reference is the rule itself, written without stages: every step takes the whole
 model's gradient of its batch by ordinary backpropagation (with the tied word embedding's
 input and output uses kept apart), and module k applies the one of K - k steps ago. The
-pipelined step, on 1, 2 and 4 stages of fake CPU devices, must reproduce it.
+delayed step, on 1, 2 and 4 stages of fake CPU devices, must reproduce it.
 """
 
 import dataclasses
@@ -17,10 +17,11 @@ import optax
 import pytest
 
 from lambjax import sharding
-from lambjax.models import bert, encoder, pipeline, pretraining
+from lambjax.contrib.ouroboros import stages
+from lambjax.contrib.ouroboros import step as ouroboros
+from lambjax.models import bert, encoder, pretraining
 from lambjax.models.config import BertConfig
 from lambjax.models.params import init_params, param_logical_axes
-from lambjax.train import ouroboros
 from lambjax.train import state as state_lib
 from lambjax.train import step as step_lib
 from lambjax.train.state import TrainState
@@ -55,17 +56,17 @@ def batches(count):
     ]
 
 
-def pipelined(split, optimizer, *, data=1, replay="stale", config=CONFIG, **settings):
+def delayed(split, optimizer, *, data=1, replay="stale", config=CONFIG, **settings):
     """(The jitted step, its initial state), sharded as the trainer shards them: layers and
     buffers over the stage axis, batches over data."""
     mesh = sharding.make_mesh(
         {"stage": split.stages, "data": data}, jax.devices()[: split.stages * data]
     )
     params = init_params(config, jax.random.key(0))
-    pipeline = ouroboros.init_pipeline(
+    buffers = ouroboros.init_buffers(
         split, params, global_batch_size=BATCH, seq_len=SEQ, dtype=jnp.float32, replay=replay
     )
-    state = TrainState.create(params, optimizer).replace(pipeline=pipeline)
+    state = TrainState.create(params, optimizer).replace(method_state=buffers)
     abstract = jax.eval_shape(lambda: state)
     shardings = state_lib.shardings(
         abstract,
@@ -75,13 +76,13 @@ def pipelined(split, optimizer, *, data=1, replay="stale", config=CONFIG, **sett
         num_frozen_layers=0,
     )
     shardings = shardings.replace(
-        pipeline=ouroboros.pipeline_shardings(abstract.pipeline, shardings.params, mesh)
+        method_state=ouroboros.buffer_shardings(abstract.method_state, shardings.params, mesh)
     )
     replicated = sharding.replicated(mesh)
     step = jax.jit(
         functools.partial(
             ouroboros.train_step,
-            settings=ouroboros.PipelineStep(
+            settings=ouroboros.OuroborosStep(
                 split=split,
                 replay=replay,
                 mesh=mesh,
@@ -169,28 +170,28 @@ def max_difference(a, b) -> float:
 
 
 def test_the_split_places_the_first_and_last_module_on_stage_zero():
-    split = pipeline.Split(4, 12)  # BERT-base, the paper's 4 modules on 3 devices
+    split = stages.Split(4, 12)  # BERT-base, the paper's 4 modules on 3 devices
     assert (split.stages, split.per_stage, split.first, split.last) == (3, 4, 2, 2)
     modules = [split.module_of_layer(i) for i in range(12)]
     assert modules == [1, 1, 2, 2, 2, 2, 3, 3, 3, 3, 4, 4]
     assert list(split.layer_delays()) == [3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0]
-    assert [pipeline.Split(3, 2).module_of_layer(i) for i in range(2)] == [1, 2]
+    assert [stages.Split(3, 2).module_of_layer(i) for i in range(2)] == [1, 2]
     with pytest.raises(
         ValueError, match=r"12 layers do not fill; valid num_modules: \[1, 2, 3, 4, 5, 7, 13\]"
     ):
-        pipeline.Split(6, 12)
+        stages.Split(6, 12)
 
 
 @pytest.mark.parametrize("modules", [3, 5])  # stage 0 has a module-K layer, or none
 def test_sgd_follows_the_delayed_update_rule(modules):
-    """SGD at lr 0.1 with dropout: the pipelined run (K - 1 stages: 2 or 4; the tied
+    """SGD at lr 0.1 with dropout: the delayed run (K - 1 stages: 2 or 4; the tied
     embedding's two
     gradients from batches t and t - K + 1; replays with the weights of their step) gives
     the rule's weights after every step."""
-    split = pipeline.Split(modules, CONFIG.num_layers)
+    split = stages.Split(modules, CONFIG.num_layers)
     rate = 0.1
     optimizer = optax.sgd(rate)
-    step, state = pipelined(split, optimizer)
+    step, state = delayed(split, optimizer)
     params = jax.device_get(state.params)
     history = []
     for t, batch in enumerate(batches(modules + 2)):
@@ -202,11 +203,11 @@ def test_sgd_follows_the_delayed_update_rule(modules):
         assert float(metrics["ouroboros_modules_updated"]) == min(t + 1, modules)
 
 
-def test_a_synchronous_warm_up_then_the_pipeline_fills():
+def test_a_synchronous_warm_up_then_the_buffers_fill():
     """synchronous_steps=2: steps 0 and 1 update every module (backpropagation), then the
-    pipeline starts empty and module k waits K - k steps again."""
-    split = pipeline.Split(2, CONFIG.num_layers)  # layers 0, 1: delay 1; 2, 3: none
-    step, state = pipelined(split, optax.sgd(0.1), synchronous_steps=2)
+    buffers start empty and module k waits K - k steps again."""
+    split = stages.Split(2, CONFIG.num_layers)  # layers 0, 1: delay 1; 2, 3: none
+    step, state = delayed(split, optax.sgd(0.1), synchronous_steps=2)
     bottom = lambda s: np.asarray(s.params["encoder"]["layers"]["mlp"]["output"]["kernel"][0])  # noqa: E731
     for t, batch in enumerate(batches(4)):
         before = bottom(state)
@@ -218,21 +219,21 @@ def test_a_synchronous_warm_up_then_the_pipeline_fills():
 def test_replaying_with_current_weights_is_features_replay():
     """replay='current' differs from the exact delayed gradient once weights have moved,
     and keeps no weight history."""
-    split = pipeline.Split(2, CONFIG.num_layers)
+    split = stages.Split(2, CONFIG.num_layers)
     optimizer = optax.sgd(0.1)
     runs = {}
     for replay in ("stale", "current"):
-        step, state = pipelined(split, optimizer, replay=replay)
+        step, state = delayed(split, optimizer, replay=replay)
         for batch in batches(3):
             state, _ = step(state, batch, RNG)
         runs[replay] = state
-    assert "weights" not in runs["current"].pipeline
+    assert "weights" not in runs["current"].method_state
     layers = lambda s: s.params["encoder"]["layers"]  # noqa: E731
     assert max_difference(layers(runs["stale"]), layers(runs["current"])) > 1e-6
 
 
 def test_lamb_fill_and_data_parallel_stages():
-    """With the recipe's LAMB: in the pipeline fill a module's weights and moments stay as
+    """With the recipe's LAMB: while the buffers fill a module's weights and moments stay as
     they were until its step K - k, while the top module and the heads update from the
     first step; and 2 stages x 2 data shards give what 2 stages x 1 give (no dropout: each
     shard draws its own masks)."""
@@ -240,7 +241,7 @@ def test_lamb_fill_and_data_parallel_stages():
     from lambjax.train import optimizer as optimizer_lib
 
     config = dataclasses.replace(CONFIG, hidden_dropout=0.0, attention_dropout=0.0)
-    split = pipeline.Split(3, CONFIG.num_layers)  # layers 0 | 1, 2 | 3: delays 2, 1, 1, 0
+    split = stages.Split(3, CONFIG.num_layers)  # layers 0 | 1, 2 | 3: delays 2, 1, 1, 0
     recipe = config_lib.optimizer_config("lamb")
     optimizer = optimizer_lib.make_optimizer(recipe, optax.constant_schedule(1e-2))
     kernel_shape = (CONFIG.num_layers, CONFIG.hidden_size, CONFIG.intermediate_size)
@@ -252,7 +253,7 @@ def test_lamb_fill_and_data_parallel_stages():
 
     finals = []
     for data in (1, 2):
-        step, state = pipelined(split, optimizer, data=data, config=config)
+        step, state = delayed(split, optimizer, data=data, config=config)
         before = jax.device_get(state)
         for t, batch in enumerate(batches(4)):
             state, _ = step(state, batch, RNG)
@@ -291,7 +292,7 @@ def reference(tmp_path_factory, data_dir):
 
 
 def test_the_variant_trains_both_phases_on_four_devices(reference):
-    """3 modules on 2 stages x 2 data shards; phase 2 (sequence 512) restarts the pipeline."""
+    """3 modules on 2 stages x 2 data shards; phase 2 (sequence 512) starts with empty buffers."""
     from lambjax.train.metrics import read_jsonl
 
     logged = losses(reference)
@@ -305,8 +306,8 @@ def test_the_variant_trains_both_phases_on_four_devices(reference):
 
 
 def test_kill_and_rerun_gives_bitwise_the_same_losses(reference, data_dir, tmp_path):
-    """The buffers in flight are in the checkpoint: a run killed mid-pipeline resumes as if
-    never stopped."""
+    """The buffers in flight are in the checkpoint: a run killed with batches in flight
+    resumes as if never stopped."""
     import subprocess
 
     from tests.helpers import REPO
@@ -345,10 +346,13 @@ def test_a_bad_ouroboros_setting_ends_with_one_line(tmp_path, data_dir):
             "2 layers do not fill; valid num_modules: [1, 2, 3]",
         ),
         ({"ouroboros.replay": "graph"}, "config.ouroboros.replay='graph'; valid:"),
-        ({"ouroboros.num_modules": 1}, "mesh stage=2 splits the encoder into pipeline stages"),
+        (
+            {"ouroboros.num_modules": 1},
+            "mesh stage=2 splits the encoder into stages, which Ouroboros",
+        ),
         ({"mesh.fsdp": 2, "mesh.data": 1}, "and fsdp=tensor=1, but the mesh is"),
         ({"layer_drop.enabled": True, "model.overrides.layer_norm": "pre"}, "turn one of them off"),
-        ({"data.packing": True}, "config.data.packing=True: the pipelined step reads one"),
+        ({"data.packing": True}, "config.data.packing=True: Ouroboros' step reads one"),
         (
             {"phases.phase1.frozen_layers": 1, "phases.phase2.frozen_layers": 1},
             "trains every layer",

@@ -1,0 +1,85 @@
+"""The plan's own checks: the run's and the phases' fields, and the mesh axis `stage`.
+
+The features' checks live beside each feature (lambjax.train.plan lists them);
+`run_checks` runs them, turning the ValueErrors that name a config field into ConfigErrors.
+"""
+
+from lambjax.train.config import (
+    OPTIMIZER_STATE_AT_PHASE_START,
+    SCHEDULES,
+    ConfigError,
+)
+
+
+def run_checks(*checks) -> None:
+    """Runs the features' checks, each in its feature's module; their ValueErrors, which
+    name the config field, become ConfigErrors."""
+    for check in checks:
+        try:
+            check()
+        except ConfigError:
+            raise
+        except ValueError as error:
+            raise ConfigError(str(error)) from None
+
+
+def check_stages(phases) -> None:
+    """The mesh axis `stage` splits the encoder's layers for a step method that runs them
+    in stages; the core step runs none."""
+    for phase in phases:
+        stages = phase.mesh["stage"]
+        if stages > 1 and phase.step_method is None:
+            raise ConfigError(
+                f"config.phases.{phase.name}: mesh stage={stages} splits the encoder into "
+                "stages, which the core train step does not run; set mesh stage=1, or a "
+                "config.step_method that runs stages (e.g. the variant ouroboros)"
+            )
+
+
+def check_run(config, process_count: int) -> None:
+    if not config.phase_order:
+        raise ConfigError("config.phase_order is empty: name at least one phase")
+    unknown = [p for p in config.phase_order if p not in config.phases]
+    if unknown:
+        raise ConfigError(
+            f"config.phase_order names {unknown}, which are not in config.phases "
+            f"({sorted(config.phases.keys())})"
+        )
+    for field in ("log_every_steps", "eval_every_steps", "checkpoint_every_steps"):
+        if config[field] <= 0:
+            raise ConfigError(f"config.{field}={config[field]} must be a positive integer")
+    if not config.checkpoint_every_minutes >= 0:
+        raise ConfigError(
+            f"config.checkpoint_every_minutes={config.checkpoint_every_minutes} must be >= 0 "
+            "(0: checkpoints by steps only)"
+        )
+    if config.eval_batch_size <= 0 or config.eval_batch_size % process_count:
+        raise ConfigError(
+            f"config.eval_batch_size={config.eval_batch_size} must be positive and divisible "
+            f"by the number of processes ({process_count})"
+        )
+
+
+def check_phase_fields(phase, where: str) -> None:
+    for field in ("max_seq_length", "max_predictions_per_seq", "global_batch_size", "num_steps"):
+        if phase[field] <= 0:
+            raise ConfigError(f"{where}.{field}={phase[field]} must be a positive integer")
+    if phase.max_predictions_per_seq > phase.max_seq_length:
+        raise ConfigError(
+            f"{where}.max_predictions_per_seq={phase.max_predictions_per_seq} exceeds "
+            f"max_seq_length={phase.max_seq_length}"
+        )
+    if phase.learning_rate <= 0:
+        raise ConfigError(f"{where}.learning_rate={phase.learning_rate} must be positive")
+    if phase.schedule not in SCHEDULES:
+        raise ConfigError(f"{where}.schedule={phase.schedule!r}; valid: {SCHEDULES}")
+    if not 0 <= phase.warmup_fraction + phase.constant_fraction <= 1:
+        raise ConfigError(
+            f"{where}: warmup_fraction + constant_fraction = "
+            f"{phase.warmup_fraction + phase.constant_fraction} must lie in [0, 1]"
+        )
+    if phase.optimizer_state not in OPTIMIZER_STATE_AT_PHASE_START:
+        raise ConfigError(
+            f"{where}.optimizer_state={phase.optimizer_state!r}; "
+            f"valid: {OPTIMIZER_STATE_AT_PHASE_START}"
+        )
