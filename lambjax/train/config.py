@@ -4,7 +4,7 @@ lambjax.train.plan resolves it, checked, into the plans the code below runs on.
 A config is an `ml_collections.ConfigDict`:
 
   seed, workdir-independent run settings (log/eval/checkpoint intervals, ...)
-  model:      a preset name plus field overrides for `lambjax.models.bert.BertConfig`
+  model:      a preset name plus field overrides for `lambjax.models.config.BertConfig`
   data:       `lambjax.data.default_config()` (source, vocab, ...)
   optimizer:  the default optimizer of every phase (name, betas, weight decay, clipping)
   mesh:       the default device mesh of every phase ({data, fsdp, tensor, stage} sizes;
@@ -27,7 +27,7 @@ lambjax.train.variants.
 import ml_collections
 
 from lambjax import data as data_lib
-from lambjax.models import bert
+from lambjax.models.config import PRESETS
 
 OPTIMIZERS = ("lamb", "lans", "adamw")
 SCHEDULES = ("poly_warmup", "warmup_constant_decay", "constant")
@@ -213,11 +213,9 @@ def with_phases(config: ml_collections.ConfigDict, **phases) -> ml_collections.C
 def model_depth(config) -> int:
     """The encoder depth of `config.model` (before any phase sets its own), for variants that
     shape a recipe by it."""
-    if config.model.preset not in bert.PRESETS:
-        raise ConfigError(
-            f"config.model.preset={config.model.preset!r}; valid: {sorted(bert.PRESETS)}"
-        )
+    if config.model.preset not in PRESETS:
+        raise ConfigError(f"config.model.preset={config.model.preset!r}; valid: {sorted(PRESETS)}")
     overrides = config.model.overrides
     if "num_layers" in overrides:
         return overrides.num_layers
-    return bert.PRESETS[config.model.preset]["num_layers"]
+    return PRESETS[config.model.preset]["num_layers"]

@@ -21,11 +21,12 @@ leaf (lambjax.optim, `stacked_layers`), which is the ratio of that layer's own t
 import jax
 from jax.sharding import PartitionSpec
 
-from lambjax.models import bert, layer_layout
+from lambjax.models import layer_layout
+from lambjax.models.config import BertConfig
 from lambjax.train.state import TrainState
 
 
-def per_layer(model_config: bert.BertConfig) -> bool:
+def per_layer(model_config: BertConfig) -> bool:
     """Whether the steps hold the layers one tree per layer: when they run unrolled (and the
     step method, where one runs, takes them so: lambjax.train.method)."""
     return not model_config.scan_layers

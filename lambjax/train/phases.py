@@ -24,7 +24,9 @@ from absl import logging
 
 from lambjax import data as data_lib
 from lambjax import optim, sharding
-from lambjax.models import attention, bert
+from lambjax.models import attention
+from lambjax.models.config import BertConfig
+from lambjax.models.params import init_params, param_logical_axes
 from lambjax.train import checkpointing, layerwise, layout
 from lambjax.train import optimizer as optimizer_lib
 from lambjax.train import state as state_lib
@@ -57,7 +59,7 @@ class Phase:
         return self.plan.index
 
     @property
-    def model_config(self) -> bert.BertConfig:
+    def model_config(self) -> BertConfig:
         return self.plan.model
 
     @property
@@ -65,7 +67,7 @@ class Phase:
         return self.plan.num_frozen_layers
 
     def init_state(self, rng: jax.Array) -> TrainState:
-        params = bert.init_params(self.model_config, rng)
+        params = init_params(self.model_config, rng)
         return self.new_state(params)
 
     def new_state(self, params, opt_state=None) -> TrainState:
@@ -104,7 +106,7 @@ class Phase:
         """The shardings of the state at rest (layers stacked): what is restored and saved."""
         shardings = state_lib.shardings(
             self._abstract,
-            param_axes=bert.param_logical_axes(self.model_config),
+            param_axes=param_logical_axes(self.model_config),
             mesh=self.mesh,
             optimizer=self.optimizer,
             num_frozen_layers=self.num_frozen_layers,
@@ -126,7 +128,7 @@ class Phase:
         return state_lib.shardings(
             layout.abstract_running(self._abstract, self.num_frozen_layers),
             param_axes=layout.running_param_axes(
-                bert.param_logical_axes(self.model_config), self.model_config.num_layers
+                param_logical_axes(self.model_config), self.model_config.num_layers
             ),
             mesh=self.mesh,
             optimizer=self.optimizer,
@@ -199,7 +201,7 @@ def build_phase(plan: PhasePlan, prepared: data_lib.Prepared) -> Phase:
     )
 
 
-def for_platform(plan: PhasePlan, platform: str) -> bert.BertConfig:
+def for_platform(plan: PhasePlan, platform: str) -> BertConfig:
     """The phase's model as it runs on `platform` ('cpu', 'gpu', 'tpu'): attention 'auto'
     decided (lambjax.models.attention), and on a GPU the layers unrolled unless the config
     sets `model.overrides.scan_layers` (the faster form there: docs/performance.md)."""

@@ -27,7 +27,8 @@ import ml_collections
 
 from lambjax import sharding
 from lambjax.data import packing as packing_lib
-from lambjax.models import bert, standardization
+from lambjax.models import standardization
+from lambjax.models.config import BertConfig
 from lambjax.train import layer_drop, layerwise, plan_checks, prng, reduction
 from lambjax.train import method as method_lib
 from lambjax.train.config import OPTIMIZERS, ConfigError
@@ -95,7 +96,7 @@ class PhasePlan:
     step_offset: int  # optimizer steps of all earlier phases (TensorBoard x axis, PLD)
     num_steps: int
     batch: BatchGeometry
-    model: bert.BertConfig  # at this phase's depth; attention 'auto' as the config gives it
+    model: BertConfig  # at this phase's depth; attention 'auto' as the config gives it
     # The config leaves model scan_layers to the platform (lambjax.train.phases.for_platform).
     scan_layers_by_platform: bool
     optimizer: OptimizerPlan
@@ -311,14 +312,14 @@ def _mesh(config, name: str, num_devices: int, where: str) -> dict[str, int]:
         raise ConfigError(f"{where}: {e}") from e
 
 
-def _model(config, name: str, vocab_size: int) -> bert.BertConfig:
+def _model(config, name: str, vocab_size: int) -> BertConfig:
     """The model of the run, at the phase's depth if the phase sets one."""
     overrides = dict(config.model.overrides.to_dict())
     overrides.setdefault("vocab_size", vocab_size)
     if config.phases[name].num_layers is not None:
         overrides["num_layers"] = config.phases[name].num_layers
     try:
-        return bert.BertConfig.preset(config.model.preset, **overrides)
+        return BertConfig.preset(config.model.preset, **overrides)
     except (TypeError, ValueError) as e:  # no such field, or values BertConfig rejects
         raise ConfigError(f"config.model (phase {name!r}): {e}") from e
 

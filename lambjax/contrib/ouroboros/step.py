@@ -41,7 +41,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from lambjax.contrib.ouroboros import stages as stages_lib
-from lambjax.models import bert
+from lambjax.models.config import BertConfig
 from lambjax.train import step as step_lib
 from lambjax.train.state import TrainState
 
@@ -55,7 +55,7 @@ class OuroborosStep:
 
     split: stages_lib.Split
     mesh: jax.sharding.Mesh  # data x stage, stage = split.stages
-    model_config: bert.BertConfig
+    model_config: BertConfig
     optimizer: optax.GradientTransformation
     schedule: optax.Schedule
     grad_accum_steps: int
