@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 import optax
 import optax.tree_utils as otu
+from jax.sharding import PartitionSpec
 
 from lambjax.optim.hyperparameters import check_max_norm, is_python_zero
 
@@ -141,6 +142,8 @@ def concat_per_tensor(values: list) -> jax.Array:
     with how a tree holds its layers."""
     if not values:
         return jnp.zeros((0,), jnp.float32)
+    # A stacked leaf's layer axis may be sharded in its type: replicate, as init's vector.
+    values = [jax.sharding.reshard(v, PartitionSpec()) if sharded_in_type(v) else v for v in values]
     return jnp.concatenate([jnp.ravel(v).astype(jnp.float32) for v in values])
 
 

@@ -220,3 +220,9 @@ def test_scale_by_learning_rate_as_optax_and_keeps_the_rate():
             np.testing.assert_array_equal(out["w"], expected["w"])
             want = rate(count) if callable(rate) else rate
             assert float(state.last_learning_rate) == pytest.approx(want)
+
+
+def test_bert_weight_decay_mask_decays_a_bare_array():
+    """No path to read a name from: decayed, as optax decays every leaf by default."""
+    assert optim.bert_weight_decay_mask(jnp.ones(3)) is True
+    assert optim.bert_weight_decay_mask(1.0) is True
