@@ -8,6 +8,13 @@ Norms are computed as dot products (`sum(x * x)` contracted by XLA's dot emitter
 tensors that are already in memory: on XLA:CPU a reduction fused with the arithmetic that
 produces its input runs scalar code and recomputes that arithmetic in the consumer, which
 made the trust-ratio step several times slower than an Adam step (docs/performance.md).
+A tensor whose type carries an explicit sharding (`jax.sharding.AxisType.Explicit`) is
+reduced with a sum of squares instead: a dot over a sharded dimension would need its output
+sharding spelled out. A complex tensor's norm is that of |x|.
+
+The states keep what the last update measured, for logging, as one vector per kind
+(`concat_per_tensor`): optax's tree utilities then see no second copy of the parameters'
+tree in them (docs/guide/optimizers.md).
 """
 
 import functools
