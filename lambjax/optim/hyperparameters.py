@@ -43,9 +43,9 @@ def check_decay_rate_precision(name: str, value) -> None:
         return
     if jnp.finfo(dtype).bits < 32:
         raise ValueError(
-            f"{name} is a {dtype} array (optax.inject_hyperparams casts hyperparameters to "
-            f"the parameters' dtype, and 0.999 is 1.0 in bfloat16): pass "
-            f"hyperparam_dtype=jnp.float32 to optax.inject_hyperparams"
+            f"{name} is a {dtype} array: optax.inject_hyperparams casts hyperparameters to "
+            f"the parameters' dtype, where b1 and b2 lose their precision (b2 = 0.999 is 1.0 "
+            f"in bfloat16); pass hyperparam_dtype=jnp.float32 to optax.inject_hyperparams"
         )
 
 
