@@ -8,12 +8,12 @@ from lambjax.optim.transforms import MaskOrFn
 
 
 def lamb(
-    learning_rate: float | optax.Schedule,
+    learning_rate: optax.ScalarOrSchedule,
     *,
     b1: float = 0.9,
     b2: float = 0.999,
     eps: float = 1e-6,
-    weight_decay: float = 0.0,
+    weight_decay: optax.ScalarOrSchedule = 0.0,
     weight_decay_mask: MaskOrFn = None,
     trust_ratio_mask: MaskOrFn = None,
     max_global_norm: float | None = None,
@@ -31,7 +31,8 @@ def lamb(
     Args:
       learning_rate: a float or an optax schedule.
       b1, b2, eps: Adam's; eps is added outside the square root.
-      weight_decay: decoupled decay rate λ (added to the Adam direction before the ratio).
+      weight_decay: decoupled decay rate λ (added to the Adam direction before the ratio);
+        a float or an optax schedule.
       weight_decay_mask: which leaves are decayed (optax mask convention; None = all).
       trust_ratio_mask: which leaves get a trust ratio (None = all; False leaves use 1).
       max_global_norm: clip the gradient's global norm to this first (None = no clip).

@@ -8,12 +8,12 @@ from lambjax.optim.transforms import MaskOrFn
 
 
 def lans(
-    learning_rate: float | optax.Schedule,
+    learning_rate: optax.ScalarOrSchedule,
     *,
     b1: float = 0.9,
     b2: float = 0.999,
     eps: float = 1e-6,
-    weight_decay: float = 0.0,
+    weight_decay: optax.ScalarOrSchedule = 0.0,
     weight_decay_mask: MaskOrFn = None,
     max_global_norm: float | None = None,
     bias_correction: bool = True,

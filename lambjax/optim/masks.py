@@ -17,6 +17,8 @@ def _key_name(key) -> str:
 
 def _is_bias_or_norm(path) -> bool:
     names = [_key_name(k) for k in path]
+    if not names:  # a bare array: decayed, as optax decays every leaf by default
+        return False
     return names[-1] in _NO_DECAY_LEAF_NAMES or any(_LAYER_NORM.search(n) for n in names)
 
 

@@ -8,6 +8,13 @@ Norms are computed as dot products (`sum(x * x)` contracted by XLA's dot emitter
 tensors that are already in memory: on XLA:CPU a reduction fused with the arithmetic that
 produces its input runs scalar code and recomputes that arithmetic in the consumer, which
 made the trust-ratio step several times slower than an Adam step (docs/performance.md).
+A tensor whose type carries an explicit sharding (`jax.sharding.AxisType.Explicit`) is
+reduced with a sum of squares instead: a dot over a sharded dimension would need its output
+sharding spelled out. A complex tensor's norm is that of |x|.
+
+The states keep what the last update measured, for logging, as one vector per kind
+(`concat_per_tensor`): optax's tree utilities then see no second copy of the parameters'
+tree in them (docs/guide/optimizers.md).
 """
 
 import functools
@@ -18,8 +25,9 @@ import jax
 import jax.numpy as jnp
 import optax
 import optax.tree_utils as otu
+from jax.sharding import PartitionSpec
 
-from lambjax.optim.hyperparameters import is_python_zero, is_traced
+from lambjax.optim.hyperparameters import check_max_norm, is_python_zero
 
 MaskOrFn = Any  # a pytree of bools matching params, a callable params -> such a tree, or None
 
@@ -59,14 +67,36 @@ def resolve_per_tensor_masks(params, mask: MaskOrFn, argument: str, stacked_laye
     )
 
 
+def norm_dtype(x: jax.Array):
+    """The dtype a tensor's norm is taken in: float32, or complex64 for complex tensors."""
+    return jnp.complex64 if jnp.iscomplexobj(x) else jnp.float32
+
+
+def sharded_in_type(x: jax.Array) -> bool:
+    """Whether a dimension of x is sharded over an explicit mesh axis (its sharding is part
+    of its type): flattening it, or contracting it in a dot, would need an output sharding."""
+    sharding = jax.typeof(x).sharding
+    explicit = set(sharding.mesh.explicit_axes)
+    for entry in sharding.spec:
+        names = entry if isinstance(entry, tuple) else (entry,)
+        if explicit.intersection(names):
+            return True
+    return False
+
+
 def tensor_sq_norms(x: jax.Array, stacked: bool) -> jax.Array:
-    """Squared L2 norm of each tensor: a scalar, or one per layer slice ([L]) if stacked."""
-    x = x.astype(jnp.float32)
-    if stacked and x.ndim >= 1:
+    """Squared L2 norm of each tensor: a scalar, or one per layer slice ([L]) if stacked.
+    A complex tensor's is sum(|x|^2). Always float32."""
+    x = x.astype(norm_dtype(x))
+    stacked = stacked and x.ndim >= 1
+    if sharded_in_type(x):
+        squares = jnp.real(x * jnp.conj(x)) if jnp.iscomplexobj(x) else jnp.square(x)
+        return jnp.sum(squares, axis=tuple(range(1 if stacked else 0, x.ndim)))
+    if stacked:
         flat = x.reshape(x.shape[0], -1)
-        return jnp.einsum("ln,ln->l", flat, flat)
+        return jnp.real(jnp.einsum("ln,ln->l", jnp.conj(flat), flat))
     flat = x.reshape(-1)
-    return jnp.dot(flat, flat)
+    return jnp.real(jnp.dot(jnp.conj(flat), flat))
 
 
 def global_norm_of_sq_norms(sq_norms) -> jax.Array:
@@ -76,7 +106,10 @@ def global_norm_of_sq_norms(sq_norms) -> jax.Array:
     product: it would square the whole tensor into a written-out temporary and reduce that
     (1.5 parameter-sized passes more for LAMB on XLA:CPU).
     """
-    sq_norms = jax.lax.optimization_barrier(jax.tree.leaves(sq_norms))
+    sq_norms = jax.tree.leaves(sq_norms)
+    if not sq_norms:
+        return jnp.zeros([], jnp.float32)
+    sq_norms = jax.lax.optimization_barrier(sq_norms)
     return jnp.sqrt(sum(jnp.sum(x) for x in sq_norms))
 
 
@@ -92,9 +125,38 @@ def ones_per_tensor(x: jax.Array, stacked: bool) -> jax.Array:
     return jnp.ones((x.shape[0],) if stacked and x.ndim else (), jnp.float32)
 
 
-def unit_ratios(params, stacked):
-    """A fresh tree of trust ratios 1 (a new buffer per leaf on every call)."""
-    return jax.tree.map(ones_per_tensor, params, stacked)
+def per_tensor_count(params, stacked) -> int:
+    """How many per-tensor values `params` has: one per leaf, one per layer slice of a
+    stacked leaf."""
+    return sum(
+        x.shape[0] if is_stacked and x.ndim else 1
+        for x, is_stacked in zip(*flatten_alike(params, stacked), strict=True)
+    )
+
+
+def flatten_alike(tree, *others) -> tuple[list, ...]:
+    """The leaves of `tree`, and those of each tree in `others` that has its structure
+    (masks), in the same order. Any number of leaves, none included."""
+    leaves, treedef = jax.tree.flatten(tree)
+    return (leaves, *(treedef.flatten_up_to(other) for other in others))
+
+
+def concat_per_tensor(values: list) -> jax.Array:
+    """Per-tensor values (scalars, [L] for stacked leaves) as one float32 vector, in the
+    order of the parameters' leaves: what the states keep for logging. One array, whatever
+    the parameters' tree: it is no parameter-shaped tree for optax's tree utilities
+    (`optax.tree_map_params` maps it as a non-parameter), and its size does not change
+    with how a tree holds its layers."""
+    if not values:
+        return jnp.zeros((0,), jnp.float32)
+    # A stacked leaf's layer axis may be sharded in its type: replicate, as init's vector.
+    values = [jax.sharding.reshard(v, PartitionSpec()) if sharded_in_type(v) else v for v in values]
+    return jnp.concatenate([jnp.ravel(v).astype(jnp.float32) for v in values])
+
+
+def unit_ratios(params, stacked) -> jax.Array:
+    """A fresh vector of trust ratios 1, one per tensor (per layer slice if stacked)."""
+    return jnp.ones((per_tensor_count(params, stacked),), jnp.float32)
 
 
 def safe_ratio(numerator: jax.Array, denominator: jax.Array, guard: jax.Array) -> jax.Array:
@@ -134,8 +196,7 @@ def clip_by_global_norm(max_norm: float) -> optax.GradientTransformationExtraArg
     finiteness test), and it is not computed again. It must be the norm of the updates
     this transform receives: the gradient, where the clip comes first in its chain.
     """
-    if not is_traced(max_norm) and max_norm <= 0:
-        raise ValueError(f"max_norm={max_norm} must be > 0")
+    check_max_norm(max_norm, "max_norm")
 
     def update_fn(updates, state, params=None, *, grad_norm=None, **extra_args):
         del params, extra_args
@@ -231,7 +292,7 @@ def scale_by_adam(
 class TrustRatioState(NamedTuple):
     """What the last update measured, kept for logging (none of it affects the update)."""
 
-    ratios: Any  # each tensor's trust ratio (1 where masked off); scalars, or [L] if stacked
+    trust_ratios: jax.Array  # each tensor's ratio (1 where masked off), see concat_per_tensor
     param_norm: jax.Array  # global ||x||, from the per-tensor norms
     update_norm: jax.Array  # global norm of the block's output (the trust-scaled updates)
 
@@ -259,33 +320,34 @@ def scale_by_trust_ratio(
         zero = jnp.zeros([], jnp.float32)
         return TrustRatioState(unit_ratios(params, stacked), zero, zero)
 
+    def measure(u, x, applies_here, is_stacked):
+        """(ratio, ||x||^2, ||ratio * u||^2) per tensor; the norms also where masked off,
+        for the logged global norms."""
+        param_sq = tensor_sq_norms(x, is_stacked)
+        update_sq = tensor_sq_norms(u, is_stacked)
+        if not applies_here:
+            return ones_per_tensor(x, is_stacked), param_sq, update_sq
+        param_norm, update_norm = jnp.sqrt(param_sq), jnp.sqrt(update_sq)
+        guard = (param_norm == 0.0) | (update_norm == 0.0)
+        ratio = safe_ratio(clip_param_norm(param_norm, param_norm_bounds), update_norm, guard)
+        return ratio, param_sq, jnp.square(ratio) * update_sq
+
     def update_fn(updates, state, params=None):
         del state
         applies, stacked = resolve_per_tensor_masks(params, mask, "mask", stacked_layers)
-
-        def measure(u, x, applies_here, is_stacked):
-            """(ratio, ||x||^2, ||ratio * u||^2) per tensor; the norms also where masked off,
-            for the logged global norms."""
-            param_sq = tensor_sq_norms(x, is_stacked)
-            update_sq = tensor_sq_norms(u, is_stacked)
-            if not applies_here:
-                return ones_per_tensor(x, is_stacked), param_sq, update_sq
-            param_norm, update_norm = jnp.sqrt(param_sq), jnp.sqrt(update_sq)
-            guard = (param_norm == 0.0) | (update_norm == 0.0)
-            ratio = safe_ratio(clip_param_norm(param_norm, param_norm_bounds), update_norm, guard)
-            return ratio, param_sq, jnp.square(ratio) * update_sq
-
-        measured = jax.tree.map(measure, updates, params, applies, stacked)
-        ratios, param_sq, scaled_sq = jax.tree.transpose(
-            jax.tree.structure(updates), jax.tree.structure((0, 0, 0)), measured
-        )
-        updates = jax.tree.map(
-            lambda u, r: (u * broadcast_per_tensor(r, u)).astype(u.dtype), updates, ratios
-        )
+        per_leaf = flatten_alike(updates, params, applies, stacked)
+        measured = [measure(*leaf) for leaf in zip(*per_leaf, strict=True)]
+        ratios, param_sq, scaled_sq = ([m[i] for m in measured] for i in range(3))
+        scaled = [
+            (u * broadcast_per_tensor(r, u)).astype(u.dtype)
+            for u, r in zip(per_leaf[0], ratios, strict=True)
+        ]
         state = TrustRatioState(
-            ratios, global_norm_of_sq_norms(param_sq), global_norm_of_sq_norms(scaled_sq)
+            concat_per_tensor(ratios),
+            global_norm_of_sq_norms(param_sq),
+            global_norm_of_sq_norms(scaled_sq),
         )
-        return updates, state
+        return jax.tree.structure(updates).unflatten(scaled), state
 
     return optax.GradientTransformation(init_fn, update_fn)
 
@@ -298,8 +360,8 @@ class ScaleByLansState(NamedTuple):
     count: jax.Array  # steps taken, for bias correction
     mu: Any  # first moment of the normalised gradient
     nu: Any  # second moment of the normalised gradient
-    adam_ratios: Any  # last update's phi/||r|| per tensor (for logging)
-    gradient_ratios: Any  # last update's phi/||c|| per tensor (for logging)
+    adam_trust_ratios: jax.Array  # last update's phi/||r|| per tensor (for logging)
+    gradient_trust_ratios: jax.Array  # last update's phi/||c|| per tensor (for logging)
     param_norm: jax.Array  # last update's global ||x|| (for logging)
 
 
@@ -308,7 +370,7 @@ def scale_by_lans(
     b2: float = 0.999,
     eps: float = 1e-6,
     *,
-    weight_decay: float = 0.0,
+    weight_decay: optax.ScalarOrSchedule = 0.0,
     weight_decay_mask: MaskOrFn = None,
     stacked_layers: MaskOrFn = None,
     param_norm_bounds: tuple[float, float] | None = None,
@@ -320,7 +382,9 @@ def scale_by_lans(
         r = m̂/d + λx;  c = ĝ/d + λx
         out = b1 * phi/||r|| * r + (1 - b1) * phi/||c|| * c   (each ratio 1 on a zero norm)
 
-    Chain after `normalize_per_tensor` and before a (negative) learning-rate scaling.
+    Chain after `normalize_per_tensor` and before a (negative) learning-rate scaling. A
+    schedule for λ is evaluated at the step count before the update (as
+    `optax.add_decayed_weights` does).
 
     References:
       Zheng et al., 2020: https://arxiv.org/abs/2006.13484 (LANS, Algorithm 2)
@@ -336,11 +400,13 @@ def scale_by_lans(
         _, stacked = masks(params)
         count, mu, nu = init_moments(params)
         zero = jnp.zeros([], jnp.float32)
-        ratios = (unit_ratios(params, stacked), unit_ratios(params, stacked))
-        return ScaleByLansState(count, mu, nu, *ratios, zero)
+        return ScaleByLansState(
+            count, mu, nu, unit_ratios(params, stacked), unit_ratios(params, stacked), zero
+        )
 
     def update_fn(updates, state, params=None):
         decays, stacked = masks(params)
+        decay_rate = weight_decay(state.count) if callable(weight_decay) else weight_decay
         count, mu, nu = update_moments(updates, state, b1, b2)
         if bias_correction:
             mu_hat = otu.tree_bias_correction(mu, b1, count)
@@ -354,15 +420,21 @@ def scale_by_lans(
             nu_rescale=nu_rescale,
             b1=b1,
             eps=eps,
-            weight_decay=weight_decay,
+            weight_decay=decay_rate,
             param_norm_bounds=param_norm_bounds,
         )
-        results = jax.tree.map(step, updates, mu_hat, nu_hat, nu, params, decays, stacked)
-        out, adam_ratios, gradient_ratios, param_sq = jax.tree.transpose(
-            jax.tree.structure(updates), jax.tree.structure((0,) * 4), results
+        per_leaf = flatten_alike(updates, mu_hat, nu_hat, nu, params, decays, stacked)
+        results = [step(*leaf) for leaf in zip(*per_leaf, strict=True)]
+        out, adam_ratios, gradient_ratios, param_sq = ([r[i] for r in results] for i in range(4))
+        state = ScaleByLansState(
+            count,
+            mu,
+            nu,
+            concat_per_tensor(adam_ratios),
+            concat_per_tensor(gradient_ratios),
+            global_norm_of_sq_norms(param_sq),
         )
-        param_norm = global_norm_of_sq_norms(param_sq)
-        return out, ScaleByLansState(count, mu, nu, adam_ratios, gradient_ratios, param_norm)
+        return jax.tree.structure(updates).unflatten(out), state
 
     return optax.GradientTransformation(init_fn, update_fn)
 
@@ -397,17 +469,21 @@ def lans_direction(
 
 
 class LearningRateState(NamedTuple):
-    count: jax.Array  # updates taken: the schedule's argument
-    learning_rate: jax.Array  # the rate of the last update (for logging)
+    """Named apart from optax's fields: under `optax.inject_hyperparams`,
+    `optax.tree.get(state, "learning_rate")` finds the injected rate alone, and
+    `optax.tree.get(state, "count")` Adam's step count alone."""
+
+    schedule_count: jax.Array  # updates taken: the schedule's argument
+    last_learning_rate: jax.Array  # the rate of the last update (for logging)
 
 
-def scale_by_learning_rate(learning_rate: float | optax.Schedule) -> optax.GradientTransformation:
+def scale_by_learning_rate(learning_rate: optax.ScalarOrSchedule) -> optax.GradientTransformation:
     """u -> -learning_rate * u, as `optax.scale_by_learning_rate`; the state keeps the rate
     it applied, so that the norm of the final update follows from the norm of u."""
 
     def rate(count):
         value = learning_rate(count) if callable(learning_rate) else learning_rate
-        return jnp.asarray(value, jnp.float32)
+        return jnp.asarray(jnp.real(value), jnp.float32)
 
     def init_fn(params):
         del params
@@ -415,9 +491,9 @@ def scale_by_learning_rate(learning_rate: float | optax.Schedule) -> optax.Gradi
 
     def update_fn(updates, state, params=None):
         del params
-        step_size = rate(state.count)
+        step_size = rate(state.schedule_count)
         updates = jax.tree.map(lambda u: (-step_size).astype(u.dtype) * u, updates)
-        return updates, LearningRateState(optax.safe_increment(state.count), step_size)
+        return updates, LearningRateState(optax.safe_increment(state.schedule_count), step_size)
 
     return optax.GradientTransformation(init_fn, update_fn)
 
@@ -438,6 +514,9 @@ def _map_states(fn: Callable[[Any], Any], state):
     return state
 
 
+_STEP_COUNTERS = ("count", "schedule_count")
+
+
 def restart_step_count(opt_state):
     """Every step counter (Adam's bias correction, schedules, ...) back to 0; moments kept.
 
@@ -445,28 +524,55 @@ def restart_step_count(opt_state):
     """
 
     def restart(s):
-        if "count" in s._fields:
-            return s._replace(count=jnp.zeros_like(s.count))
-        return s
+        counters = [name for name in _STEP_COUNTERS if name in s._fields]
+        return s._replace(**{name: jnp.zeros_like(getattr(s, name)) for name in counters})
 
     return _map_states(restart, opt_state)
 
 
-def last_trust_ratios(opt_state) -> dict[str, Any]:
+def last_trust_ratios(opt_state, params=None, stacked_layers: MaskOrFn = None) -> dict[str, Any]:
     """The trust ratios of the last update, by name: `trust_ratio` (LAMB), or
-    `trust_ratio_adam` and `trust_ratio_gradient` (LANS). Empty for other optimizers."""
+    `trust_ratio_adam` and `trust_ratio_gradient` (LANS). Empty for other optimizers.
+
+    Each is one vector of per-tensor ratios (per layer slice of a stacked leaf), in the
+    order of the parameters' leaves; given the parameters (and the optimizer's
+    `stacked_layers`), a tree like them (`per_tensor_tree`).
+    """
     found: dict[str, Any] = {}
 
     def collect(s):
         if isinstance(s, TrustRatioState):
-            found["trust_ratio"] = s.ratios
+            found["trust_ratio"] = s.trust_ratios
         elif isinstance(s, ScaleByLansState):
-            found["trust_ratio_adam"] = s.adam_ratios
-            found["trust_ratio_gradient"] = s.gradient_ratios
+            found["trust_ratio_adam"] = s.adam_trust_ratios
+            found["trust_ratio_gradient"] = s.gradient_trust_ratios
         return s
 
     _map_states(collect, opt_state)
-    return found
+    if params is None:
+        return found
+    return {name: per_tensor_tree(v, params, stacked_layers) for name, v in found.items()}
+
+
+def per_tensor_tree(values: jax.Array, params, stacked_layers: MaskOrFn = None):
+    """A vector of per-tensor values (`concat_per_tensor`'s, e.g. trust ratios) as a tree
+    like `params`: a scalar per leaf, [L] per stacked leaf."""
+    stacked = resolve_mask(stacked_layers, params, argument="stacked_layers", default=False)
+    leaves, stacked_leaves = flatten_alike(params, stacked)
+    sizes = [
+        x.shape[0] if s and x.ndim else None for x, s in zip(leaves, stacked_leaves, strict=True)
+    ]
+    expected = sum(1 if n is None else n for n in sizes)
+    if values.shape != (expected,):
+        raise ValueError(
+            f"per_tensor_tree: {values.shape[0]} values for parameters with {expected} "
+            "tensors (layer slices counted): pass the optimizer's params and stacked_layers"
+        )
+    out, start = [], 0
+    for n in sizes:
+        out.append(values[start] if n is None else values[start : start + n])
+        start += 1 if n is None else n
+    return jax.tree.structure(params).unflatten(out)
 
 
 def last_norms(opt_state) -> dict[str, jax.Array]:
@@ -488,7 +594,7 @@ def last_norms(opt_state) -> dict[str, jax.Array]:
         elif isinstance(s, ScaleByLansState):
             found["param_norm"] = s.param_norm
         elif isinstance(s, LearningRateState):
-            found["learning_rate"] = s.learning_rate
+            found["learning_rate"] = s.last_learning_rate
         return s
 
     _map_states(collect, opt_state)
