@@ -18,7 +18,7 @@ import flax.linen as nn
 import jax.numpy as jnp
 
 from lambjax.models import attention, matmul, standardization
-from lambjax.models.config import PRESETS, BertConfig  # noqa: F401 (PRESETS: lambjax.train)
+from lambjax.models.config import BertConfig
 
 
 def _init(config: BertConfig):
@@ -241,21 +241,3 @@ class FinalNorm(nn.Module):
     @nn.compact
     def __call__(self, h, token_mask=None):
         return _normalize(_encoder_norm(self.config, "layer_norm"), h, token_mask)
-
-
-# lambjax.train reads the parameters' functions here. They are lambjax.models.params', which
-# imports this module, so they import it on call.
-
-
-def init_params(config: BertConfig, rng) -> dict:
-    """lambjax.models.params.init_params."""
-    from lambjax.models import params
-
-    return params.init_params(config, rng)
-
-
-def param_logical_axes(config: BertConfig) -> dict:
-    """lambjax.models.params.param_logical_axes."""
-    from lambjax.models import params
-
-    return params.param_logical_axes(config)

@@ -43,7 +43,7 @@ import jax
 import jax.numpy as jnp
 
 from lambjax.models import layer_layout
-from lambjax.models.bert import BertConfig
+from lambjax.models.config import BertConfig
 
 
 def _take_layers(x, index: slice):

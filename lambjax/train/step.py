@@ -31,7 +31,7 @@ import optax
 
 from lambjax import optim
 from lambjax.models import pretraining
-from lambjax.models.bert import BertConfig
+from lambjax.models.config import BertConfig
 from lambjax.models.encoder import LayerOptions
 from lambjax.train import layerwise, reduction
 from lambjax.train.layer_drop import LayerDrop

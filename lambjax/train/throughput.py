@@ -9,7 +9,7 @@ import time
 
 import jax
 
-from lambjax.models.bert import BertConfig
+from lambjax.models.config import BertConfig
 from lambjax.train.plan import PhasePlan, RunPlan
 
 # Peak dense bf16 FLOP/s of one JAX device, by `device_kind` prefix (vendor data sheets).
