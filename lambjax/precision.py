@@ -10,7 +10,7 @@ Choi, Brand, Chen, Gopalakrishnan, "Training Deep Neural Networks with 8-bit Flo
 Numbers", NeurIPS 2018, arXiv 1812.08011, section 3 "chunk-based accumulation", chunk length
 64). Sakr et al. derive the accumulator precision each GEMM needs, with and without chunking
 ("Accumulation Bit-Width Scaling for Ultra-Low Precision Training of Deep Networks", ICLR
-2019, arXiv 1901.06588); lambjax.variance_retention predicts the variance such sums keep.
+2019, arXiv 1901.06588); lambjax.contrib.variance_retention predicts the variance such sums keep.
 
 `chunked_dot` computes `a @ b` (the last axis of `a` contracted with the first of `b`) as
 those papers describe the arithmetic:

@@ -9,7 +9,7 @@ al. 2018 do (operands rounded to 1-5-2, float8_e5m2, products and sums in 1-6-9,
 each chunk size it prints the maximum relative error against float64 and its ratio to naive
 accumulation (one chunk of the whole contraction, the named baseline), and the measured
 variance retention ratio (the variance of the computed sums over that of the exact ones:
-Sakr et al.'s measure, here measured; lambjax.variance_retention predicts it, and
+Sakr et al.'s measure, here measured; lambjax.contrib.variance_retention predicts it, and
 studies/chunked_accumulation/config.py compares the two).
 """
 

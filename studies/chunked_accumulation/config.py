@@ -21,7 +21,7 @@ first and last layers in higher precision. The arms, all from the same seed:
 The claim holds here if naive ends above float32 by more than `tolerance` in held-out MLM
 loss and chunk64 within it; the float32 arm again with another seed shows the seed noise.
 The report also runs the variance-retention sweep: Gaussian sums of `vrr.length` terms in
-an e6mM accumulator, naive and chunked, measured against lambjax.variance_retention's
+an e6mM accumulator, naive and chunked, measured against lambjax.contrib.variance_retention's
 prediction for M in `vrr.mantissas`.
 
 `arg` is the size: `cpu` (the default: the demo's tiny BERT on the embedded corpus, about

@@ -8,7 +8,7 @@ loss curve and applies the rule the study fixed before the runs:
   the papers' claim holds here  if naive ends above the float32 arm of the same seed by
                                 more than `tolerance` and chunk64 within it;
 
-and runs the variance-retention sweep (lambjax.variance_retention): for each mantissa width
+and runs the variance-retention sweep (lambjax.contrib.variance_retention): for each mantissa width
 in `vrr.mantissas`, sums of `vrr.length` standard-normal terms in an e{exponent_bits}mM
 accumulator, naive and in chunks of `vrr.chunk`, measured with lambjax.precision's emulation
 and predicted. Its numbers are kept in DIR/variance_retention.json and reused while the

@@ -34,6 +34,7 @@ count divides by 3), `smoke` (a few steps, for the tests).
 The arms, seeds, steps, schedule and rule below were fixed before the runs.
 """
 
+from lambjax.contrib import ouroboros
 from lambjax.sweep import spec
 from lambjax.train import config as config_lib
 from studies import common
@@ -130,7 +131,7 @@ def get_config(arg=None):
     config.eval_batch_size = study["batch_size"]
     config.log_every_steps = study["log_every_steps"]
     config.eval_every_steps = study["num_steps"] // study["evals_per_trial"]
-    return config
+    return ouroboros.configure(config)
 
 
 def trial(modules: int, replay: str, warmup: int, seed: int) -> dict:

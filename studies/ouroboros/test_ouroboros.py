@@ -45,7 +45,7 @@ def test_the_trials_are_k1_twice_and_k4_with_each_replay_with_and_without_warmup
         phases.append(phase)
         assert run_plan.seed == labels["seed"]
         if labels["modules"] == 1:
-            assert phase.pipeline is None
+            assert phase.step_method is None
             assert dict(phase.mesh) == {
                 "data": study["devices"],
                 "fsdp": 1,
@@ -53,9 +53,9 @@ def test_the_trials_are_k1_twice_and_k4_with_each_replay_with_and_without_warmup
                 "stage": 1,
             }
         else:
-            assert phase.pipeline.num_modules == 4
-            assert phase.pipeline.replay == labels["replay"]
-            assert phase.pipeline.synchronous_steps == labels["warmup"]
+            assert phase.step_method.num_modules == 4
+            assert phase.step_method.replay == labels["replay"]
+            assert phase.step_method.synchronous_steps == labels["warmup"]
             assert phase.mesh["stage"] == 3
             assert phase.mesh["data"] * 3 == study["devices"]
     assert seen == expected
