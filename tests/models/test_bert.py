@@ -73,6 +73,7 @@ def test_losses_and_hits_match_a_float64_log_softmax(params):
     np.testing.assert_allclose(grad, expected, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_remat_gives_the_same_gradients(params):
     remat = dataclasses.replace(CONFIG, remat=True)
 
@@ -93,6 +94,7 @@ def test_bfloat16_forward_stays_close_to_float32(params):
     assert error.mean() < 0.03 and error.max() < 0.3  # LayerNorm output has unit scale
 
 
+@pytest.mark.slow
 def test_bfloat16_gradients_stay_close_to_float32(params):
     # On CPU every bfloat16 matmul of the backward pass runs through lambjax.models.matmul.
     bf16 = dataclasses.replace(CONFIG, dtype="bfloat16")
@@ -108,6 +110,7 @@ def test_bfloat16_gradients_stay_close_to_float32(params):
         assert np.linalg.norm(b - a) <= 0.03 * np.linalg.norm(a) + 1e-4
 
 
+@pytest.mark.slow
 def test_bfloat16_gradients_on_8_sharded_devices_match_one_device(params):
     bf16 = dataclasses.replace(CONFIG, dtype="bfloat16")
     x = batch(seed=1, b=8)

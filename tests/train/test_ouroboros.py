@@ -179,6 +179,7 @@ def test_the_split_places_the_first_and_last_module_on_stage_zero():
         pipeline.Split(6, 12)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("modules", [3, 5])  # stage 0 has a module-K layer, or none
 def test_sgd_follows_the_delayed_update_rule(modules):
     """SGD at lr 0.1 with dropout: the pipelined run (K - 1 stages: 2 or 4; the tied
@@ -200,6 +201,7 @@ def test_sgd_follows_the_delayed_update_rule(modules):
         assert float(metrics["ouroboros_modules_updated"]) == min(t + 1, modules)
 
 
+@pytest.mark.slow
 def test_a_synchronous_warm_up_then_the_pipeline_fills():
     """synchronous_steps=2: steps 0 and 1 update every module (backpropagation), then the
     pipeline starts empty and module k waits K - k steps again."""
@@ -213,6 +215,7 @@ def test_a_synchronous_warm_up_then_the_pipeline_fills():
         assert (not np.array_equal(bottom(state), before)) == (t != 2), t
 
 
+@pytest.mark.slow
 def test_replaying_with_current_weights_is_features_replay():
     """replay='current' differs from the exact delayed gradient once weights have moved,
     and keeps no weight history."""
@@ -288,6 +291,7 @@ def reference(tmp_path_factory, data_dir):
     return workdir
 
 
+@pytest.mark.slow
 def test_the_variant_trains_both_phases_on_four_devices(reference):
     """3 modules on 2 stages x 2 data shards; phase 2 (sequence 512) restarts the pipeline."""
     from lambjax.train.metrics import read_jsonl
@@ -302,6 +306,7 @@ def test_the_variant_trains_both_phases_on_four_devices(reference):
         assert os.path.isdir(os.path.join(reference, "checkpoints", phase, str(last)))
 
 
+@pytest.mark.slow
 def test_kill_and_rerun_gives_bitwise_the_same_losses(reference, data_dir, tmp_path):
     """The buffers in flight are in the checkpoint: a run killed mid-pipeline resumes as if
     never stopped."""

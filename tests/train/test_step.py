@@ -52,6 +52,7 @@ def fresh_state(optimizer, num_frozen_layers=0):
     return TrainState.create(params, optimizer, num_frozen_layers)
 
 
+@pytest.mark.slow
 def test_accumulation_gives_the_global_batch_gradient(optimizer):
     batch = random_batch()
     one, metrics_one = jitted_step(optimizer, 1)(fresh_state(optimizer), batch, jax.random.key(1))
@@ -140,7 +141,8 @@ def make_case_optimizer(name):
 
 @pytest.mark.parametrize(
     "name, accum, num_frozen_layers",
-    [(name, 1, 0) for name in NORM_CASES] + [("lamb NVIDIA", 2, 1)],
+    [pytest.param(name, 1, 0, marks=pytest.mark.slow) for name in NORM_CASES]
+    + [("lamb NVIDIA", 2, 1)],
 )
 def test_logged_norms_are_the_norms_of_the_step(name, accum, num_frozen_layers):
     """grad_norm (of the accumulated gradient the optimizer is given, before its clip),
