@@ -232,6 +232,7 @@ def test_replaying_with_current_weights_is_features_replay():
     assert max_difference(layers(runs["stale"]), layers(runs["current"])) > 1e-6
 
 
+@pytest.mark.slow
 def test_lamb_fill_and_data_parallel_stages():
     """With the recipe's LAMB: in the pipeline fill a module's weights and moments stay as
     they were until its step K - k, while the top module and the heads update from the
