@@ -190,6 +190,7 @@ def test_dropped_layer_is_exactly_the_identity(params):
     np.testing.assert_array_equal(dropped, hidden(two_layers, without, batch()))
 
 
+@pytest.mark.slow
 def test_frozen_layers_get_no_gradient(params):
     def loss(p):
         stats = pretraining.pretraining_stats(CONFIG, p, batch(), num_frozen_layers=2)

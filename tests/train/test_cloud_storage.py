@@ -121,6 +121,7 @@ def test_export_from_the_bucket_to_the_bucket(reference, gcs_bucket, tmp_path):
     np.testing.assert_array_equal(embedding, np.asarray(params["embeddings"]["word"]["embedding"]))
 
 
+@pytest.mark.slow
 def test_bad_storage_ends_the_start_with_one_line(gcs_bucket, tmp_path):
     local_data = str(tmp_path / "data")
     missing = run_demo("gs://no-such-bucket/run", local_data, 1, check=False)

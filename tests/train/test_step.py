@@ -70,6 +70,7 @@ def test_split_microbatches_interleaves_rows():
     np.testing.assert_array_equal(micro[1, :, 0], [1, 4, 7, 10])
 
 
+@pytest.mark.slow
 def test_nonfinite_step_is_skipped_and_counted(optimizer):
     state = fresh_state(optimizer)
     before = jax.tree.map(np.asarray, state.params)
@@ -139,10 +140,10 @@ def make_case_optimizer(name):
     return make_optimizer(config, optax.constant_schedule(1e-3))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "name, accum, num_frozen_layers",
-    [pytest.param(name, 1, 0, marks=pytest.mark.slow) for name in NORM_CASES]
-    + [("lamb NVIDIA", 2, 1)],
+    [(name, 1, 0) for name in NORM_CASES] + [("lamb NVIDIA", 2, 1)],
 )
 def test_logged_norms_are_the_norms_of_the_step(name, accum, num_frozen_layers):
     """grad_norm (of the accumulated gradient the optimizer is given, before its clip),
