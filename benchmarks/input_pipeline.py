@@ -3,9 +3,9 @@
   python benchmarks/input_pipeline.py [--batches 50]
 
 Reads the embedded corpus's datasets (built first if needed, timed: tokens/s of the build)
-through the grain pipeline pinned to one CPU core (grain in-process, no worker processes),
+through the grain reader pinned to one CPU core (grain in-process, no worker processes),
 at sequence 128 (20 predictions) and 512 (80). The baseline, measured in the same run, is
-the same pipeline with Google BERT's per-example masking loop (create_masked_lm_predictions
+the same reader with Google BERT's per-example masking loop (create_masked_lm_predictions
 in Python) in place of lambjax's vectorised masking. Target: >= 10,000 phase-1 sequences/s
 per core.
 """
@@ -19,7 +19,7 @@ import time
 import numpy as np
 
 from lambjax import data
-from lambjax.data import masking, pipeline
+from lambjax.data import masking, reader
 
 TARGET = 10_000
 
@@ -95,11 +95,11 @@ def main():
         os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})  # one core
         ours = sequences_per_second(prepared, predictions, args.batches)
         original = masking.mask_batch
-        pipeline.masking.mask_batch = google_style_mask_batch
+        reader.masking.mask_batch = google_style_mask_batch
         try:
             baseline = sequences_per_second(prepared, predictions, max(3, args.batches // 10))
         finally:
-            pipeline.masking.mask_batch = original
+            reader.masking.mask_batch = original
         os.sched_setaffinity(0, set(range(os.cpu_count())))
         rows.append((seq, ours, baseline, build_rate))
     print(f"build: {cores} cores; pipeline: 1 core, batch 256")

@@ -31,7 +31,7 @@ import time
 import numpy as np
 
 from lambjax import data, host_memory
-from lambjax.data import packing, pipeline
+from lambjax.data import packing, reader
 
 SEQ, PREDICTIONS, ROWS, MAX_EXAMPLES = 512, 80, 8, 3
 
@@ -81,8 +81,8 @@ def padding(prepared: data.Prepared) -> dict:
     """The training split's padding fraction, one example per row and packed, and the
     seconds an iterator spends planning the rows (the length pass and the plan)."""
     start = time.perf_counter()
-    lengths = pipeline.example_lengths(prepared.data_sources["train"].data_source)
-    options = pipeline.masking_options(prepared, PREDICTIONS)
+    lengths = reader.example_lengths(prepared.data_sources["train"].data_source)
+    options = reader.masking_options(prepared, PREDICTIONS)
     table = packing.plan_rows(
         lengths,
         packing.most_predictions(lengths, options),

@@ -11,6 +11,8 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
 REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
 TRAINING_STACK = ["tensorflow", "tensorflow_datasets", "grain", "clu", "ml_collections"]
 
@@ -84,6 +86,7 @@ def run(command, cwd, timeout=600):
     return result.stdout
 
 
+@pytest.mark.slow
 def test_bare_install_runs_lamb_and_lans_on_bert_without_the_training_stack(tmp_path):
     # The sources as `pip install <repo>` reads them, copied so that the build (setuptools
     # writes build/ and *.egg-info next to setup.py) does not touch the checkout.

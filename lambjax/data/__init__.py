@@ -1,4 +1,4 @@
-"""Pretraining data: sources, WordPiece, BERT examples in a TFDS dataset, grain pipeline.
+"""Pretraining data: sources, WordPiece, BERT examples in a TFDS dataset, grain reader.
 
 The datasets are built by one Apache Beam pipeline (beam_build; `python -m lambjax.prepare`
 runs it ahead of training); `prepare` finds them, or builds what is missing.
@@ -21,7 +21,7 @@ from lambjax.data.builder import (
     prepare_all,
     vocabulary,
 )
-from lambjax.data.pipeline import BatchIterator, make_iterator
+from lambjax.data.reader import BatchIterator, make_iterator
 from lambjax.data.sources import DataError
 
 

@@ -50,8 +50,8 @@ CHECKPOINT_NAME = "finetune"
 
 
 @dataclasses.dataclass
-class Run:
-    """Everything built for one fine-tuning run."""
+class FinetuneSetup:
+    """Everything built for one fine-tuning run: its task, model, mesh and optimizer."""
 
     task: tasks.Task
     model_config: BertConfig
@@ -94,22 +94,24 @@ class Run:
         return state_lib.with_shardings(abstract, self.state_shardings)
 
 
-def compile_steps(run: Run) -> train_loop.CompiledSteps:
+def compile_steps(setup: FinetuneSetup) -> train_loop.CompiledSteps:
     """The run's functions, jitted with the shardings of its state and batches."""
-    bound = dict(model_config=run.model_config, kind=run.task.kind, num_labels=run.task.num_labels)
+    bound = dict(
+        model_config=setup.model_config, kind=setup.task.kind, num_labels=setup.task.num_labels
+    )
     return train_loop.compile_steps(
-        run.mesh,
-        run.state_shardings,
+        setup.mesh,
+        setup.state_shardings,
         train_step=functools.partial(
-            step_lib.train_step, optimizer=run.optimizer, schedule=run.schedule, **bound
+            step_lib.train_step, optimizer=setup.optimizer, schedule=setup.schedule, **bound
         ),
         eval_step=functools.partial(step_lib.eval_step, **bound),
-        init_optimizer=run.optimizer.init,
+        init_optimizer=setup.optimizer.init,
     )
 
 
 # ----------------------------------------------------------------------------------------
-# Building the run
+# Building a run's pieces
 
 
 def _vocabulary(config, start: init_lib.Start, workdir: str) -> str:
@@ -170,7 +172,7 @@ def _start_params(config, start, model_config, task) -> dict:
     return heads.with_head(start.params, head)
 
 
-def build_run(config, workdir: str) -> Run:
+def build_setup(config, workdir: str) -> FinetuneSetup:
     mesh = sharding.make_mesh(dict(config.mesh))
     config_lib.validate(config, mesh.shape["data"] * mesh.shape["fsdp"], jax.process_count())
     start = init_lib.load(config.init)
@@ -191,7 +193,7 @@ def build_run(config, workdir: str) -> Run:
     schedule = optim.linear_warmup_decay_schedule(
         config.learning_rate, num_steps, config.warmup_fraction
     )
-    return Run(
+    return FinetuneSetup(
         task=task,
         model_config=model_config,
         params=_start_params(config, start, model_config, task),
@@ -209,13 +211,13 @@ def build_run(config, workdir: str) -> Run:
 # Running it
 
 
-def _to_global(run: Run, global_rows: dict) -> dict:
+def _to_global(setup: FinetuneSetup, global_rows: dict) -> dict:
     """This process's slice of a global batch's rows, as global arrays over data x fsdp."""
     size = len(next(iter(global_rows.values())))
     per_process = size // jax.process_count()
     lo = jax.process_index() * per_process
     local = {k: v[lo : lo + per_process] for k, v in global_rows.items()}
-    return train_loop.to_global(local, sharding.batch_sharding(run.mesh))
+    return train_loop.to_global(local, sharding.batch_sharding(setup.mesh))
 
 
 def train_batch(arrays: dict, step: int, batch_size: int, seed: int) -> dict:
@@ -229,11 +231,11 @@ def train_batch(arrays: dict, step: int, batch_size: int, seed: int) -> dict:
 
 
 def evaluate(
-    run: Run, steps: train_loop.CompiledSteps, params, batch_size: int
+    setup: FinetuneSetup, steps: train_loop.CompiledSteps, params, batch_size: int
 ) -> tuple[dict, dict]:
     """Every eval set fully scored with the compiled `steps.eval`: (metrics, {file: text})."""
     metrics, files = {}, {}
-    for eval_set in run.task.eval_sets:
+    for eval_set in setup.task.eval_sets:
         num = len(eval_set.arrays["input_ids"])
         padded = -(-num // batch_size) * batch_size
         arrays = {
@@ -242,7 +244,7 @@ def evaluate(
         }
         outputs = []
         for lo in range(0, padded, batch_size):
-            batch = _to_global(run, {k: v[lo : lo + batch_size] for k, v in arrays.items()})
+            batch = _to_global(setup, {k: v[lo : lo + batch_size] for k, v in arrays.items()})
             outputs.append(jax.device_get(steps.eval(params, batch)))
         outputs = jax.tree.map(lambda *xs, n=num: np.concatenate(xs)[:n], *outputs)
         set_metrics, set_files = eval_set.score(outputs)
@@ -268,29 +270,29 @@ def finetune(config, workdir: str) -> dict:
         )
     epath.Path(workdir).mkdir(parents=True, exist_ok=True)
     console.log_to_file(workdir, console.process_log_name("finetune", jax.process_index()))
-    run = build_run(config, workdir)
+    setup = build_setup(config, workdir)
     logging.info(
         "Fine-tuning %s from %s: %d training features, %d steps of %d; lower_case=%s",
-        run.task.name,
-        run.start,
-        len(run.task.train["input_ids"]),
-        run.num_steps,
+        setup.task.name,
+        setup.start,
+        len(setup.task.train["input_ids"]),
+        setup.num_steps,
         config.global_batch_size,
-        run.lower_case,
+        setup.lower_case,
     )
-    steps = compile_steps(run)
+    steps = compile_steps(setup)
     ckpt = checkpointing.PhaseCheckpoints(
         workdir, CHECKPOINT_NAME, max_to_keep=config.max_checkpoints_to_keep, async_save=False
     )
     meta = {
-        "task": run.task.name,
+        "task": setup.task.name,
         "init": config.init,
         "config": config.to_json_best_effort(),
-        "model_config": dataclasses.asdict(run.model_config),
-        "vocab_file": run.vocab_file,
-        "lower_case": run.lower_case,
+        "model_config": dataclasses.asdict(setup.model_config),
+        "vocab_file": setup.vocab_file,
+        "lower_case": setup.lower_case,
     }
-    restored = ckpt.restore_latest(run.abstract_state())
+    restored = ckpt.restore_latest(setup.abstract_state())
     if restored is not None:
         for field in ("task", "init"):
             if restored.meta.get(field) != meta[field]:
@@ -302,10 +304,10 @@ def finetune(config, workdir: str) -> dict:
         logging.info("Resuming from the checkpoint at step %d", restored.step)
         state, step = restored.state, restored.step
     else:
-        params = jax.device_put(run.params, run.state_shardings.params)
-        state = TrainState.create(params, run.optimizer, opt_state=steps.init_optimizer(params))
-        state, step = jax.device_put(state, run.state_shardings), 0
-    run.params = None  # the host copy is no longer needed
+        params = jax.device_put(setup.params, setup.state_shardings.params)
+        state = TrainState.create(params, setup.optimizer, opt_state=steps.init_optimizer(params))
+        state, step = jax.device_put(state, setup.state_shardings), 0
+    setup.params = None  # the host copy is no longer needed
     # Imported here: its TensorBoard writer loads TensorFlow (seconds), which a run that
     # stops at bad input never needs.
     from lambjax.train import metrics as metrics_lib
@@ -313,23 +315,23 @@ def finetune(config, workdir: str) -> dict:
     writer = metrics_lib.create_writer(workdir)
     stop = distributed.StopRequest()
     try:
-        job = FinetuneJob(config, run, steps, writer, ckpt, meta, first_step=step)
+        job = FinetuneJob(config, setup, steps, writer, ckpt, meta, first_step=step)
         state, step, stopped = train_loop.run_job(job, state, step, stop)
         if stopped:
             logging.info("Stopped at step %d; rerun the same command to continue.", step)
             return {}
-        eval_metrics, files = evaluate(run, steps, state.params, config.eval_batch_size)
+        eval_metrics, files = evaluate(setup, steps, state.params, config.eval_batch_size)
         writer.write_scalars(step, {f"eval/{k}": v for k, v in _scalars(eval_metrics).items()})
     finally:
         writer.close()
         ckpt.close()
     for name, text in files.items():
         _write(workdir, name, text)
-    results = {"task": run.task.name, "init": run.start, "step": step, "eval": eval_metrics}
+    results = {"task": setup.task.name, "init": setup.start, "step": step, "eval": eval_metrics}
     _write(workdir, "results.json", json.dumps(results, indent=2) + "\n")
     if config.export_transformers:
-        _export(run, state.params, workdir)
-    logging.info("%s", _summary(run.task.name, eval_metrics, workdir))
+        _export(setup, state.params, workdir)
+    logging.info("%s", _summary(setup.task.name, eval_metrics, workdir))
     return eval_metrics
 
 
@@ -341,10 +343,10 @@ class FinetuneJob:
     """The run as a job of the shared run loop (lambjax.train.loop): batches drawn by step,
     a log line with examples/s, the eval sets scored at the eval interval, checkpoints."""
 
-    def __init__(self, config, run: Run, steps, writer, ckpt, meta, first_step: int):
-        self.config, self.run, self.steps = config, run, steps
+    def __init__(self, config, setup: FinetuneSetup, steps, writer, ckpt, meta, first_step: int):
+        self.config, self.setup, self.steps = config, setup, steps
         self.writer, self.ckpt, self.meta = writer, ckpt, meta
-        self.num_steps = run.num_steps
+        self.num_steps = setup.num_steps
         self.intervals = train_loop.Intervals(
             log_every_steps=config.log_every_steps,
             eval_every_steps=config.eval_every_steps,
@@ -359,9 +361,9 @@ class FinetuneJob:
         if self.interval_step is None:  # throughput over each log interval (the first
             self.interval_start, self.interval_step = time.perf_counter(), step  # compiles)
         rows = train_batch(
-            self.run.task.train, step, self.config.global_batch_size, self.config.seed
+            self.setup.task.train, step, self.config.global_batch_size, self.config.seed
         )
-        return _to_global(self.run, rows)
+        return _to_global(self.setup, rows)
 
     def log(self, step: int, state, means: dict) -> None:
         seconds_per_step = (time.perf_counter() - self.interval_start) / (step - self.interval_step)
@@ -371,7 +373,7 @@ class FinetuneJob:
         if jax.process_index() == 0:
             logging.info(
                 "%s step %d/%d | loss %.4f | lr %.2e | %.1f ex/s | ETA %s",
-                self.run.task.name,
+                self.setup.task.name,
                 step,
                 self.num_steps,
                 train["loss"],
@@ -381,7 +383,9 @@ class FinetuneJob:
             )
 
     def evaluate(self, step: int, state) -> None:
-        eval_metrics, _ = evaluate(self.run, self.steps, state.params, self.config.eval_batch_size)
+        eval_metrics, _ = evaluate(
+            self.setup, self.steps, state.params, self.config.eval_batch_size
+        )
         self.writer.write_scalars(step, {f"eval/{k}": v for k, v in _scalars(eval_metrics).items()})
 
     def save(self, step: int, state) -> None:
@@ -397,10 +401,10 @@ def _duration(seconds: float) -> str:
     return metrics_lib.format_duration(seconds)
 
 
-def _export(run: Run, params, workdir: str) -> None:
+def _export(setup: FinetuneSetup, params, workdir: str) -> None:
     from lambjax.models import hf
 
-    reason = hf.unexportable_reason(run.model_config)
+    reason = hf.unexportable_reason(setup.model_config)
     if reason:
         logging.info("Not exported to transformers: %s.", reason)
         return
@@ -412,12 +416,12 @@ def _export(run: Run, params, workdir: str) -> None:
     if jax.process_index() == 0:
         with storage.local_folder(os.path.join(workdir, "transformers")) as out:
             hf.to_transformers_task(
-                run.model_config,
+                setup.model_config,
                 params,
                 out,
-                labels=run.task.labels,
-                vocab_file=run.vocab_file,
-                lower_case=run.lower_case,
+                labels=setup.task.labels,
+                vocab_file=setup.vocab_file,
+                lower_case=setup.lower_case,
             )
 
 

@@ -182,6 +182,7 @@ def test_the_split_places_the_first_and_last_module_on_stage_zero():
         stages.Split(6, 12)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("modules", [3, 5])  # stage 0 has a module-K layer, or none
 def test_sgd_follows_the_delayed_update_rule(modules):
     """SGD at lr 0.1 with dropout: the delayed run (K - 1 stages: 2 or 4; the tied
@@ -203,6 +204,7 @@ def test_sgd_follows_the_delayed_update_rule(modules):
         assert float(metrics["ouroboros_modules_updated"]) == min(t + 1, modules)
 
 
+@pytest.mark.slow
 def test_a_synchronous_warm_up_then_the_buffers_fill():
     """synchronous_steps=2: steps 0 and 1 update every module (backpropagation), then the
     buffers start empty and module k waits K - k steps again."""
@@ -216,6 +218,7 @@ def test_a_synchronous_warm_up_then_the_buffers_fill():
         assert (not np.array_equal(bottom(state), before)) == (t != 2), t
 
 
+@pytest.mark.slow
 def test_replaying_with_current_weights_is_features_replay():
     """replay='current' differs from the exact delayed gradient once weights have moved,
     and keeps no weight history."""
@@ -232,6 +235,7 @@ def test_replaying_with_current_weights_is_features_replay():
     assert max_difference(layers(runs["stale"]), layers(runs["current"])) > 1e-6
 
 
+@pytest.mark.slow
 def test_lamb_fill_and_data_parallel_stages():
     """With the recipe's LAMB: while the buffers fill a module's weights and moments stay as
     they were until its step K - k, while the top module and the heads update from the
@@ -291,6 +295,7 @@ def reference(tmp_path_factory, data_dir):
     return workdir
 
 
+@pytest.mark.slow
 def test_the_variant_trains_both_phases_on_four_devices(reference):
     """3 modules on 2 stages x 2 data shards; phase 2 (sequence 512) starts with empty buffers."""
     from lambjax.train.metrics import read_jsonl
@@ -305,6 +310,7 @@ def test_the_variant_trains_both_phases_on_four_devices(reference):
         assert os.path.isdir(os.path.join(reference, "checkpoints", phase, str(last)))
 
 
+@pytest.mark.slow
 def test_kill_and_rerun_gives_bitwise_the_same_losses(reference, data_dir, tmp_path):
     """The buffers in flight are in the checkpoint: a run killed with batches in flight
     resumes as if never stopped."""

@@ -88,6 +88,7 @@ def chained(model, params, batch, rng):
     return stats, {"embeddings": g_embeddings, "encoder": encoder, "heads": g_heads}
 
 
+@pytest.mark.slow
 def test_the_stages_chained_are_the_model():
     """3 modules on 2 stages (4 layers: 1 | 2 | 1), PreLN, with dropout. Eager, and the
     layers in a Python loop: this small a model compiles for longer than it runs."""

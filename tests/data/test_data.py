@@ -180,6 +180,7 @@ def test_byte_ranges_cover_every_document_once(tmp_path):
     assert pieces == whole and len(whole) == 61
 
 
+@pytest.mark.slow
 def test_one_and_two_workers_write_the_same_records(tmp_path):
     corpus = tmp_path / "corpus"
     corpus.mkdir()
@@ -284,6 +285,7 @@ def _documents(n, seed=0):
     return "\n\n".join(docs)
 
 
+@pytest.mark.slow
 def test_a_trained_vocabulary_is_the_same_in_every_process(tmp_path):
     # `tokenizers` alone numbers its ##x symbols in a hash order that changes per process,
     # and three processes trained three different vocabularies on this corpus.

@@ -25,6 +25,7 @@ def prepare_command(data_dir, *flags):
     ]
 
 
+@pytest.mark.slow
 def test_multi_host_run_stops_then_finds_what_prepare_built(tmp_path, monkeypatch):
     config = cli.load_config(CONFIG)
     config.data.data_dir = str(tmp_path)
@@ -69,6 +70,7 @@ def test_bad_beam_options_end_with_one_line(tmp_path):
     assert options["runner"] == "DirectRunner" and options["direct_num_workers"] >= 1
 
 
+@pytest.mark.slow
 def test_prepare_into_a_bucket_and_a_missing_bucket(gcs_bucket):
     """gs:// data_dir on the GCS emulator: built there, complete; a missing bucket: one line."""
     from etils import epath

@@ -60,6 +60,7 @@ def assert_same_params(actual, expected):
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=0, atol=1e-7), actual, expected)
 
 
+@pytest.mark.slow
 def test_span_head_round_trip(tmp_path):
     params = random_params("span", 2)
     path = str(tmp_path / "qa")

@@ -27,6 +27,8 @@ from lambjax.train.state import TrainState
 from tests import helpers
 from tests.finetune import generate
 
+pytestmark = pytest.mark.slow  # end-to-end runs, each over ~10 s
+
 # A tiny BERT from scratch: sequence 64, batch 16, a high learning rate, 100 steps.
 SMALL = (
     "--config.max_seq_length=64",

@@ -16,6 +16,8 @@ from tests import helpers
 from tests.helpers import REPO, demo_command, losses, run_demo
 from tests.launch import cluster_fakes
 
+pytestmark = pytest.mark.slow  # end-to-end runs, each over ~10 s
+
 STEPS = 6
 OVERRIDES = ("--config.phase_order=('phase1',)", f"--config.phases.phase1.num_steps={STEPS}")
 

@@ -82,6 +82,7 @@ def test_losses_and_hits_match_a_float64_log_softmax(params):
     np.testing.assert_allclose(grad, expected, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_remat_gives_the_same_gradients(params):
     remat = dataclasses.replace(CONFIG, remat=True)
 
@@ -102,6 +103,7 @@ def test_bfloat16_forward_stays_close_to_float32(params):
     assert error.mean() < 0.03 and error.max() < 0.3  # LayerNorm output has unit scale
 
 
+@pytest.mark.slow
 def test_bfloat16_gradients_stay_close_to_float32(params):
     # On CPU every bfloat16 matmul of the backward pass runs through lambjax.models.matmul.
     bf16 = dataclasses.replace(CONFIG, dtype="bfloat16")
@@ -117,6 +119,7 @@ def test_bfloat16_gradients_stay_close_to_float32(params):
         assert np.linalg.norm(b - a) <= 0.03 * np.linalg.norm(a) + 1e-4
 
 
+@pytest.mark.slow
 def test_bfloat16_gradients_on_8_sharded_devices_match_one_device(params):
     bf16 = dataclasses.replace(CONFIG, dtype="bfloat16")
     x = batch(seed=1, b=8)
@@ -194,6 +197,7 @@ def test_dropped_layer_is_exactly_the_identity(params):
     np.testing.assert_array_equal(dropped, hidden(two_layers, without, batch()))
 
 
+@pytest.mark.slow
 def test_frozen_layers_get_no_gradient(params):
     def loss(p):
         options = LayerOptions(num_frozen_layers=2)

@@ -76,6 +76,7 @@ def assert_close(actual, expected):
     np.testing.assert_allclose(actual, expected, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_import_matches_transformers(hf_dir):
     config, params = hf.from_transformers(hf_dir)
     assert config.num_layers == 2 and config.vocab_size == 99

@@ -112,6 +112,7 @@ def test_matmul_rejects_operands_it_does_not_take():
         matmul.matmul_nt(jnp.ones((2, 3)), jnp.ones((5, 3, 1)))
 
 
+@pytest.mark.slow
 def test_the_mlm_decoder_and_its_gradients_keep_bfloat16_operands():
     # Given x.T as a transposed view, XLA:CPU laid it out column-major and ran the
     # decoder's forward and input-gradient products in float32.

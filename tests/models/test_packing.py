@@ -92,6 +92,7 @@ def total_loss(config, params, batch):
 splash_interpreted = functools.partial(attention.splash_attention, interpret=True)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("form", ["xla", "splash"])
 def test_packed_rows_give_each_example_its_unpacked_losses_and_gradients(form, monkeypatch):
     if form == "splash":

@@ -65,6 +65,7 @@ def test_the_loss_matches_numpy_and_ignores_padding():
     assert abs(float(zero)) < 1e-4  # mu = 0, sigma^2 = 1: no loss (up to the log's eps)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layer_norm", ["post", "pre"])
 def test_it_attaches_to_every_tensor_a_layer_norm_normalized(layer_norm):
     """One layer. PostLN: the embeddings' sum and the two residual sums; PreLN: the
@@ -117,6 +118,7 @@ def test_it_attaches_to_every_tensor_a_layer_norm_normalized(layer_norm):
     np.testing.assert_allclose(h, expected_h, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_training_with_it_lowers_both_losses_and_logs_it():
     optimizer = make_optimizer(optimizer_config("lamb"), optax.constant_schedule(1e-2))
     step = jax.jit(
@@ -195,6 +197,7 @@ def test_at_the_preactivations_it_is_the_loss_of_each_ffn_input_to_gelu():
     assert abs(float(loss) - float(loss_residual)) > 1.0  # different tensors
 
 
+@pytest.mark.slow
 def test_weight_zero_is_bitwise_the_model_without_normalization():
     """At weight 0 the site adds nothing: two steps with the pre-activation site are the
     plain no-norm model's, bit for bit (the sites' losses differ: the test above)."""

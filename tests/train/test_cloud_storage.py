@@ -39,6 +39,7 @@ def reference(gcs_bucket, gcs_data_dir):
     return workdir
 
 
+@pytest.mark.slow
 def test_two_phases_write_everything_to_the_bucket(reference, gcs_data_dir):
     built = files(gcs_data_dir)  # the vocabulary and both phases' datasets, read from there
     assert any(name.endswith("vocab.txt") for name in built)
@@ -55,6 +56,7 @@ def test_two_phases_write_everything_to_the_bucket(reference, gcs_data_dir):
     assert not os.path.exists(os.path.join(helpers.REPO, "gs:"))  # nothing went to local disk
 
 
+@pytest.mark.slow
 def test_kill_and_rerun_gives_bitwise_the_same_losses(reference, gcs_bucket, gcs_data_dir):
     workdir = f"{gcs_bucket}/killed"
     process = subprocess.Popen(
@@ -73,6 +75,7 @@ def test_kill_and_rerun_gives_bitwise_the_same_losses(reference, gcs_bucket, gcs
     assert losses(workdir) == losses(reference)
 
 
+@pytest.mark.slow
 def test_corrupt_latest_checkpoint_is_moved_aside_in_the_bucket(
     reference, gcs_bucket, gcs_data_dir
 ):
@@ -96,6 +99,7 @@ def test_corrupt_latest_checkpoint_is_moved_aside_in_the_bucket(
     assert logged == {step: expected[step] for step in logged}
 
 
+@pytest.mark.slow
 def test_export_from_the_bucket_to_the_bucket(reference, gcs_bucket, tmp_path):
     """(A 2-process pod writing a checkpoint into the bucket that 1 process restores is in
     tests/launch/test_local_pod.py.)"""
@@ -117,6 +121,7 @@ def test_export_from_the_bucket_to_the_bucket(reference, gcs_bucket, tmp_path):
     np.testing.assert_array_equal(embedding, np.asarray(params["embeddings"]["word"]["embedding"]))
 
 
+@pytest.mark.slow
 def test_bad_storage_ends_the_start_with_one_line(gcs_bucket, tmp_path):
     local_data = str(tmp_path / "data")
     missing = run_demo("gs://no-such-bucket/run", local_data, 1, check=False)

@@ -15,6 +15,8 @@ import pytest
 from tests import helpers
 from tests.helpers import REPO, environment, lambjax_main, losses, wait_for_checkpoint
 
+pytestmark = pytest.mark.slow  # end-to-end runs, each over ~10 s
+
 DEVICES = 2
 STAGES = {"phase1_stage1": 3, "phase1_stage2": 3, "phase2": 6}
 

@@ -129,6 +129,7 @@ def test_bad_layer_drop_settings_are_refused(bad):
         LayerDrop(**bad)
 
 
+@pytest.mark.slow
 def test_theta_one_gives_the_baseline_bit_for_bit():
     _, baseline, baseline_metrics = run_steps()
     _, always_kept, metrics = run_steps(layer_drop=LayerDrop(theta_bar=1.0, gamma=0.5))
@@ -138,6 +139,7 @@ def test_theta_one_gives_the_baseline_bit_for_bit():
     assert all(m["pld_layers_run"] == CONFIG.num_layers for m in metrics)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["lamb", "lans"])
 def test_dropping_trains_with_accumulation_and_both_optimizers(name):
     _, state, metrics = run_steps(name, steps=4, layer_drop=LayerDrop(theta_bar=0.5, gamma=2.0))
@@ -149,6 +151,7 @@ def test_dropping_trains_with_accumulation_and_both_optimizers(name):
     assert all(np.isfinite(x).all() for x in jax.tree.leaves(state.params))
 
 
+@pytest.mark.slow
 def test_dropping_gives_the_same_step_on_8_sharded_devices():
     """The keep draws depend on the step's key only, so every replica drops the same layers."""
     from lambjax import sharding
@@ -194,6 +197,7 @@ def test_split_and_merge_are_inverse():
     assert layerwise.split(params, 0) == (params, None)
 
 
+@pytest.mark.slow
 def test_frozen_layers_and_embeddings_stay_bit_identical_through_a_stage():
     params, state, metrics = run_steps(steps=3, num_frozen_layers=2)
     before, after = params["encoder"]["layers"], state.params["encoder"]["layers"]
@@ -310,6 +314,7 @@ def test_one_schedule_runs_on_across_the_stages(continue_schedule):
     assert jumps < 1.2e-4 if continue_schedule else jumps > 3e-4
 
 
+@pytest.mark.slow
 def test_a_trained_decoder_changes_while_the_frozen_layers_and_lookups_do_not():
     params, state, metrics = run_steps(steps=3, num_frozen_layers=2, train_decoder=True)
     before, after = params["encoder"]["layers"], state.params["encoder"]["layers"]
@@ -326,6 +331,7 @@ def test_a_trained_decoder_changes_while_the_frozen_layers_and_lookups_do_not():
     assert all(np.isfinite(m["loss"]) for m in metrics)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("scan_layers", [True, False])
 def test_the_trained_decoder_gradient_is_the_output_projection_part(scan_layers):
     """The word embeddings' gradient in a stage is that of the tied decoder alone: the MLM

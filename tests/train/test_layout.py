@@ -132,6 +132,7 @@ def test_running_logical_axes_drop_the_layers_axis():
 # The same numbers in either layout
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "name, num_frozen_layers", [("lamb", 0), ("lans", 0), ("lamb", 1)], ids=["lamb", "lans", "mslt"]
 )
@@ -171,6 +172,7 @@ def test_unrolled_per_layer_steps_match_scanned_stacked_steps(name, num_frozen_l
             np.testing.assert_allclose(metrics[-1][key], scanned_metrics[-1][key], rtol=2e-5)
 
 
+@pytest.mark.slow
 def test_a_checkpoint_restores_across_layouts_and_resumes_bitwise(tmp_path):
     """Saved at rest from per-layer steps: restored per layer, the next steps are bitwise
     those of the uninterrupted run; restored into scanned steps, they agree to float32."""
@@ -256,6 +258,7 @@ def lowered_and_compiled(config, per_layer: bool) -> tuple[str, str]:
     return cuda, traced.lower().compile().as_text()
 
 
+@pytest.mark.slow
 def test_the_unrolled_step_assembles_no_stacked_gradient(cudnn_version_check_passes):
     """Reading layer i as a slice of the stacked tree makes the gradient of every stacked
     leaf one pad per layer, summed: XLA keeps them (CPU) or turns them into concatenations
@@ -272,6 +275,7 @@ def test_the_unrolled_step_assembles_no_stacked_gradient(cudnn_version_check_pas
 # The trainer: an unrolled run saves stacked and continues scanned
 
 
+@pytest.mark.slow
 def test_an_unrolled_run_saves_stacked_and_continues_scanned(data_dir, tmp_path):
     """The demo (layers unrolled), float32, phase 1 only, 8 steps: its step-4 checkpoint is
     saved stacked, and continued from there with the layers scanned the run logs the

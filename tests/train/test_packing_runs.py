@@ -10,6 +10,8 @@ import pytest
 from tests import helpers
 from tests.helpers import REPO, demo_command, environment, losses, run_demo, wait_for_checkpoint
 
+pytestmark = pytest.mark.slow  # end-to-end runs, each over ~10 s
+
 STEPS = 6
 OVERRIDES = (
     "--config.phase_order=('phase2',)",

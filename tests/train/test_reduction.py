@@ -108,6 +108,7 @@ def test_xla_reduces_every_micro_batch_inside_the_loop():
     assert elements(entry) < parameter_count()
 
 
+@pytest.mark.slow
 def test_once_reduces_the_gradient_once_after_the_loop():
     inside, entry = all_reduces(compiled_step(once=True)[1])
     assert inside == []
@@ -116,6 +117,7 @@ def test_once_reduces_the_gradient_once_after_the_loop():
     assert elements(gradients) - parameter_count() < 16  # and the loss statistics
 
 
+@pytest.mark.slow
 def test_once_gives_the_same_update():
     batch = random_batch()
     results = {}

@@ -108,6 +108,7 @@ def prng_reference(reference, tmp_path_factory, data_dir):
     return reference_for
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("impl, devices", [("threefry", 1), ("threefry", 2), ("rbg", 2)])
 def test_same_losses_on_fewer_devices(prng_reference, data_dir, tmp_path, impl, devices):
     """The topology guarantee holds for every PRNG: on XLA:CPU, rbg's and unsafe_rbg's
@@ -121,6 +122,7 @@ def test_same_losses_on_fewer_devices(prng_reference, data_dir, tmp_path, impl, 
         assert loss == pytest.approx(expected[step], rel=1e-5), step
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("impl", OTHER_PRNGS)
 def test_each_prng_draws_its_own_dropout(reference, prng_reference, impl):
     """The same data and initial parameters; other dropout masks from the first step on."""
@@ -130,7 +132,9 @@ def test_each_prng_draws_its_own_dropout(reference, prng_reference, impl):
         assert loss == pytest.approx(expected[step], rel=0.05), step
 
 
-@pytest.mark.parametrize("impl", ["threefry", *OTHER_PRNGS])
+@pytest.mark.parametrize(
+    "impl", ["threefry", *(pytest.param(i, marks=pytest.mark.slow) for i in OTHER_PRNGS)]
+)
 def test_kill_and_rerun_gives_bitwise_the_same_losses(prng_reference, data_dir, tmp_path, impl):
     workdir = str(tmp_path)
     process = start(workdir, data_dir, 4, *prng_flags(impl))
@@ -142,6 +146,7 @@ def test_kill_and_rerun_gives_bitwise_the_same_losses(prng_reference, data_dir, 
     assert losses(workdir) == losses(prng_reference(impl))
 
 
+@pytest.mark.slow
 def test_sigterm_saves_exits_zero_and_resumes(reference, data_dir, tmp_path):
     workdir = str(tmp_path)
     process = start(workdir, data_dir, 4)
@@ -165,6 +170,7 @@ def test_sigterm_saves_exits_zero_and_resumes(reference, data_dir, tmp_path):
     assert losses(workdir) == losses(reference)
 
 
+@pytest.mark.slow
 def test_saves_by_time_and_a_run_killed_without_notice_resumes_bitwise(
     reference, data_dir, tmp_path
 ):
@@ -195,6 +201,7 @@ def test_saves_by_time_and_a_run_killed_without_notice_resumes_bitwise(
     assert losses(workdir) == {step: expected[step] for step in range(1, PHASE1_STEPS + 1)}
 
 
+@pytest.mark.slow
 def test_phase_two_restores_onto_another_device_count(reference, data_dir, tmp_path):
     workdir = str(tmp_path / "run")
     shutil.copytree(reference, workdir)
@@ -211,6 +218,7 @@ def test_phase_two_restores_onto_another_device_count(reference, data_dir, tmp_p
     assert "Summary:\n  phase1: step 12, 0s in this run\n  phase2: step 6," in result.stderr
 
 
+@pytest.mark.slow
 def test_corrupt_latest_checkpoint_falls_back_to_the_previous(reference, data_dir, tmp_path):
     workdir = str(tmp_path / "run")
     shutil.copytree(reference, workdir)
@@ -253,6 +261,7 @@ def listing(root) -> dict:
     }
 
 
+@pytest.mark.slow
 def test_a_changed_config_leaves_the_run_as_it_was(reference, data_dir, tmp_path):
     workdir = str(tmp_path / "run")
     shutil.copytree(reference, workdir)
@@ -268,6 +277,7 @@ def test_a_changed_config_leaves_the_run_as_it_was(reference, data_dir, tmp_path
     assert listing(workdir) == before  # nothing moved aside, written or deleted
 
 
+@pytest.mark.slow
 def test_a_run_resumes_with_more_steps_and_other_intervals(reference, data_dir, tmp_path):
     workdir = str(tmp_path / "run")
     shutil.copytree(reference, workdir)
@@ -284,6 +294,7 @@ def test_a_run_resumes_with_more_steps_and_other_intervals(reference, data_dir, 
     assert os.path.isdir(os.path.join(workdir, "checkpoints", "phase2", str(more)))
 
 
+@pytest.mark.slow
 def test_export_from_a_relative_workdir_predicts_as_lambjax(reference, tmp_path):
     """transformers' fill-mask pipeline on the export gives lambjax's own top predictions,
     with the run's tokenizer (its casing and special tokens)."""
@@ -331,6 +342,7 @@ def test_export_from_a_relative_workdir_predicts_as_lambjax(reference, tmp_path)
         assert [p["token"] for p in fill(sentence)] == top, sentence
 
 
+@pytest.mark.slow
 def test_phase_two_with_a_fresh_optimizer_of_another_kind(reference, data_dir, tmp_path):
     workdir = str(tmp_path / "run")
     shutil.copytree(reference, workdir)

@@ -56,6 +56,7 @@ def fresh_state(optimizer, num_frozen_layers=0):
     return TrainState.create(params, optimizer, num_frozen_layers)
 
 
+@pytest.mark.slow
 def test_accumulation_gives_the_global_batch_gradient(optimizer):
     batch = random_batch()
     one, metrics_one = jitted_step(optimizer, 1)(fresh_state(optimizer), batch, jax.random.key(1))
@@ -73,6 +74,7 @@ def test_split_microbatches_interleaves_rows():
     np.testing.assert_array_equal(micro[1, :, 0], [1, 4, 7, 10])
 
 
+@pytest.mark.slow
 def test_nonfinite_step_is_skipped_and_counted(optimizer):
     state = fresh_state(optimizer)
     before = jax.tree.map(np.asarray, state.params)
@@ -142,6 +144,7 @@ def make_case_optimizer(name):
     return make_optimizer(config, optax.constant_schedule(1e-3))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "name, accum, num_frozen_layers",
     [(name, 1, 0) for name in NORM_CASES] + [("lamb NVIDIA", 2, 1)],

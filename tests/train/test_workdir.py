@@ -211,6 +211,7 @@ def test_workdir_mistakes_are_named(tmp_path):
     assert os.listdir(damaged) == ["config.json"]
 
 
+@pytest.mark.slow
 def test_workdir_mistakes_end_the_command_before_any_data_build(tmp_path):
     a_file = tmp_path / "a_file"
     a_file.write_text("")

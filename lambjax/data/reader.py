@@ -1,4 +1,4 @@
-"""The input pipeline: grain over the TFDS ArrayRecord source, sharded per JAX process.
+"""The reader: grain over the TFDS ArrayRecord source, sharded per JAX process.
 
 The global order is fixed by the seed alone: epoch e visits the examples in a seeded
 permutation, cut into global batches of `global_batch_size` (the remainder is dropped).
