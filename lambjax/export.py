@@ -48,7 +48,7 @@ def export_workdir(workdir: str, out: str, *, overwrite: bool = False) -> str:
             f"--out={out} holds files; give an empty or new directory, or add --overwrite"
         )
     meta, params = checkpointing.latest_params(workdir)
-    config = BertConfig(**meta["model_config"])
+    config = BertConfig.from_dict(meta["model_config"])
     vocab = meta.get("vocab_file")
     vocab = vocab if vocab and epath.Path(vocab).exists() else None
     with tempfile.TemporaryDirectory() as scratch, storage.local_folder(out) as target:

@@ -1,5 +1,5 @@
 """How much of a sum's variance a low-precision accumulator keeps: `predicted_vrr(n,
-mantissa_bits, chunk_size)`, and `measured_vrr` from lambjax.precision's emulation.
+mantissa_bits, chunk_size)`, and `measured_vrr` from lambjax.contrib.precision's emulation.
 
 Sakr et al. ("Accumulation Bit-Width Scaling for Ultra-Low Precision Training of Deep
 Networks", ICLR 2019, arXiv 1901.06588) measure a narrow accumulator by the variance
@@ -153,13 +153,13 @@ def predicted_vrr(n: int, mantissa_bits: int, chunk_size: int | None = None, sig
 def measured_vrr(
     n: int, mantissa_bits: int, chunk_size: int | None, *, sums: int, exponent_bits=6, seed=0
 ) -> float:
-    """The ratio measured with lambjax.precision.chunked_dot: `sums` independent sums of n
+    """The ratio measured with lambjax.contrib.precision.chunked_dot: `sums` independent sums of n
     N(0, 1) terms (a [sums, n] Gaussian matrix times ones), accumulated in the format
     e{exponent_bits}m{mantissa_bits}, against the same sums in float64."""
     import jax
     import jax.numpy as jnp
 
-    from lambjax import precision
+    from lambjax.contrib import precision
 
     terms = np.random.default_rng(seed).standard_normal((sums, n)).astype(np.float32)
     ones = jnp.ones((n, 1), jnp.float32)

@@ -84,7 +84,7 @@ def from_workdir(workdir: str) -> Start:
         )
     _, phase, step, meta, path = finished[-1]
     state = checkpointing.read_state_on_host(path / "state")
-    config = BertConfig(**meta["model_config"])
+    config = BertConfig.from_dict(meta["model_config"])
     run_config = json.loads(meta["config"])
     vocab = meta.get("vocab_file")
     return Start(

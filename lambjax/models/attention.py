@@ -29,8 +29,6 @@ import jax.numpy as jnp
 import numpy as np
 from absl import logging
 
-from lambjax.models import matmul
-
 FORMS = ("auto", "xla", "cudnn", "splash")
 # The platform each kernel runs on (jax.default_backend()).
 KERNEL_PLATFORM = {"cudnn": "gpu", "splash": "tpu"}
@@ -130,12 +128,14 @@ def resolve(config, platform: str | None = None):
     return dataclasses.replace(config, attention=chosen)
 
 
-def xla_attention(q, k, v, mask: AttentionMask, *, dropout, accumulation: str = "float32"):
-    """Einsum attention; `dropout(weights)` applies dropout to the probabilities."""
-    logits = matmul.attention_einsum(accumulation, "bqhd,bkhd->bhqk", q, k).astype(jnp.float32)
+def xla_attention(q, k, v, mask: AttentionMask, *, dropout, einsum=jnp.einsum):
+    """Einsum attention; `dropout(weights)` applies dropout to the probabilities. `einsum`
+    computes its two contractions, "bqhd,bkhd->bhqk" (the scores) and "bhqk,bkhd->bqhd"
+    (the outputs), e.g. a training method's emulated arithmetic."""
+    logits = einsum("bqhd,bkhd->bhqk", q, k).astype(jnp.float32)
     logits = logits / jnp.sqrt(jnp.float32(q.shape[-1])) + mask.bias()
     weights = dropout(jax.nn.softmax(logits, axis=-1))
-    return matmul.attention_einsum(accumulation, "bhqk,bkhd->bqhd", weights.astype(v.dtype), v)
+    return einsum("bhqk,bkhd->bqhd", weights.astype(v.dtype), v)
 
 
 def cudnn_attention(q, k, v, mask: AttentionMask, *, implementation: str = "cudnn"):
@@ -205,20 +205,21 @@ def splash_attention(q, k, v, mask: AttentionMask, *, interpret: bool = False):
     return jax.vmap(one_row)(q, k, v, mask.segment_ids)
 
 
-def attend(config, q, k, v, mask: AttentionMask, *, dropout):
+def attend(config, q, k, v, mask: AttentionMask, *, dropout, einsum=None):
     """Attention in the form `config` (a BertConfig) names; 'auto' is decided here for JAX's
-    backend where `resolve` has not decided it already."""
-    form, accumulation = config.attention, config.matmul_accumulation
+    backend where `resolve` has not decided it already. `einsum` (None: `jnp.einsum`) runs
+    the einsum form's two contractions; the fused kernels have none to replace."""
+    form = config.attention
     if form == "auto":
         form, _ = choose(
             form, config.attention_dropout, config.dtype, config.head_dim, jax.default_backend()
         )
     if form == "xla":
-        return xla_attention(q, k, v, mask, dropout=dropout, accumulation=accumulation)
-    if accumulation != "float32":
+        return xla_attention(q, k, v, mask, dropout=dropout, einsum=einsum or jnp.einsum)
+    if einsum is not None:
         raise ValueError(
-            f"attention={form!r} accumulates in float32; matmul_accumulation={accumulation!r} "
-            "needs attention='xla'"
+            f"attention={form!r} is a fused kernel with its own matmuls; an attention einsum "
+            "(lambjax.models.encoder.LayerOptions.attention_einsum) needs attention='xla'"
         )
     if form == "cudnn":
         return cudnn_attention(q, k, v, mask).astype(v.dtype)

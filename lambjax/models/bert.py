@@ -35,7 +35,7 @@ def dense(config, features, names, name, axis=-1, dot_general=matmul.dense_dot_g
       names: the kernel's logical axis names, e.g. ("embed", "mlp").
       name: the submodule's name (the parameter tree's key).
       axis: the input axis or axes contracted.
-      dot_general: the matmul (lambjax.models.matmul), e.g. an emulated accumulation.
+      dot_general: the matmul (lambjax.models.matmul), e.g. a training method's emulation.
     """
     return nn.DenseGeneral(
         features,
@@ -110,26 +110,29 @@ class Embeddings(nn.Module):
         return nn.Dropout(c.hidden_dropout)(h, deterministic=deterministic)
 
 
-def _encoder_dot_general(config: BertConfig, dot_general: Callable | None):
-    """The encoder layers' matmul: `dot_general`, or the one of `config.matmul_accumulation`."""
-    return dot_general or matmul.encoder_dot_general(config.matmul_accumulation)
-
-
 class Attention(nn.Module):
     config: BertConfig
-    dot_general: Callable | None = None  # None: the one of config.matmul_accumulation
+    dot_general: Callable | None = None  # None: matmul.dense_dot_general
+    # The two attention contractions (lambjax.models.attention.xla_attention); None: jnp.einsum.
+    attention_einsum: Callable | None = None
 
     @nn.compact
     def __call__(self, x, mask: attention.AttentionMask, deterministic: bool):
         c = self.config
         heads = (c.num_heads, c.head_dim)
-        dot_general = _encoder_dot_general(c, self.dot_general)
+        dot_general = self.dot_general or matmul.dense_dot_general
         q = dense(c, heads, ("embed", "heads", "kv"), "query", dot_general=dot_general)(x)
         k = dense(c, heads, ("embed", "heads", "kv"), "key", dot_general=dot_general)(x)
         v = dense(c, heads, ("embed", "heads", "kv"), "value", dot_general=dot_general)(x)
         dropout = nn.Dropout(c.attention_dropout)
         out = attention.attend(
-            c, q, k, v, mask, dropout=lambda w: dropout(w, deterministic=deterministic)
+            c,
+            q,
+            k,
+            v,
+            mask,
+            dropout=lambda w: dropout(w, deterministic=deterministic),
+            einsum=self.attention_einsum,
         )
         out = dense(
             c,
@@ -144,14 +147,14 @@ class Attention(nn.Module):
 
 class Mlp(nn.Module):
     config: BertConfig
-    dot_general: Callable | None = None  # None: the one of config.matmul_accumulation
+    dot_general: Callable | None = None  # None: matmul.dense_dot_general
 
     @nn.compact
     def __call__(self, x, deterministic: bool, token_mask=None):
         """Given a token mask, sows the standardization loss of the pre-activations (the
         intermediate output before GELU)."""
         c = self.config
-        dot_general = _encoder_dot_general(c, self.dot_general)
+        dot_general = self.dot_general or matmul.dense_dot_general
         x = dense(
             c, c.intermediate_size, ("embed", "mlp"), "intermediate", dot_general=dot_general
         )(x)
@@ -172,7 +175,8 @@ class Layer(nn.Module):
 
     config: BertConfig
     standardization_site: str | None = None
-    dot_general: Callable | None = None  # None: the one of config.matmul_accumulation
+    dot_general: Callable | None = None  # None: matmul.dense_dot_general
+    attention_einsum: Callable | None = None  # None: jnp.einsum
 
     @nn.compact
     def __call__(self, h, attention_bias, scale, deterministic: bool, token_mask=None):
@@ -180,7 +184,7 @@ class Layer(nn.Module):
         site = self.standardization_site
         norm_mask = token_mask if site == "residual" else None
         mlp_mask = token_mask if site == "preactivation" else None
-        self_attention = Attention(c, self.dot_general, name="attention")
+        self_attention = Attention(c, self.dot_general, self.attention_einsum, name="attention")
         mlp = Mlp(c, self.dot_general, name="mlp")
         attention_norm = _encoder_norm(c, "attention_layer_norm")
         mlp_norm = _encoder_norm(c, "mlp_layer_norm")

@@ -7,7 +7,6 @@ what would be valid; everything below reads it (lambjax.models.bert, .encoder, .
 import dataclasses
 
 from lambjax.models import attention
-from lambjax.precision import parse_accumulation
 
 PRESETS = {
     "tiny": dict(num_layers=2, hidden_size=128, num_heads=2, intermediate_size=512),
@@ -39,13 +38,6 @@ class BertConfig:
     param_dtype: str = "float32"
     scan_layers: bool = True
     remat: bool = False  # recompute each layer's activations in the backward pass
-    # How the encoder's matmuls accumulate: "float32" (the platform's dot), or an emulation
-    # of low-precision accumulation, "float16" (naive) or "float16:chunk=64" (chunk-based),
-    # likewise bfloat16 or an eXmY format, of 8-bit operands with ":operands=float8_e5m2"
-    # ("e6m9:chunk=64:operands=float8_e5m2": Wang et al.'s setting; lambjax.precision). The
-    # embeddings and the heads keep the platform's dot, as Wang et al. keep the first and
-    # last layers in higher precision.
-    matmul_accumulation: str = "float32"
     # "auto", "xla", "cudnn" or "splash": the attention kernel (lambjax.models.attention).
     attention: str = "auto"
     # GELU in the MLPs and the MLM head's transform: False = exact (erf), as BERT; True = the
@@ -93,10 +85,13 @@ class BertConfig:
             attention.check(self.attention, self.attention_dropout, self.dtype, self.head_dim)
         except ValueError as e:
             raise ValueError(f"BertConfig.{e}") from None
-        try:
-            parse_accumulation(self.matmul_accumulation)
-        except ValueError as e:
-            raise ValueError(f"BertConfig.{e}") from None
+
+    @classmethod
+    def from_dict(cls, fields: dict) -> "BertConfig":
+        """The config a checkpoint records (`dataclasses.asdict`). A `matmul_accumulation`
+        field, which older checkpoints hold, is dropped: that emulation is a training
+        method's setting, and the model it trained is a plain BERT."""
+        return cls(**{k: v for k, v in fields.items() if k != "matmul_accumulation"})
 
     @classmethod
     def preset(cls, name: str, **overrides) -> "BertConfig":

@@ -9,7 +9,7 @@ step then differentiates each layer's own tree and never assembles a stacked gra
 What a training method changes in the layer stack reaches it as one value, `LayerOptions`:
 which layers a micro-batch runs and their output scale (progressive layer dropping), the
 bottom layers that run without gradient (multi-stage layerwise training), where the
-standardization loss attaches, and the matmul. Its defaults are plain BERT.
+standardization loss attaches, and the matmuls. Its defaults are plain BERT.
 """
 
 import dataclasses
@@ -39,9 +39,12 @@ class LayerOptions:
     # "residual" (each AffineNorm's input) or "preactivation" (the MLP's intermediate output
     # before GELU); None: off. It is computed only for a model with normalization 'none'.
     standardization_site: str | None = None
-    # The encoder layers' matmul (Attention's and the MLP's Dense layers); None:
-    # `matmul.encoder_dot_general(config.matmul_accumulation)`.
+    # The encoder layers' matmuls, e.g. a training method's emulated arithmetic: the Dense
+    # layers' (Attention's and the MLP's; None: `matmul.dense_dot_general`) and the einsum
+    # attention's two contractions (`einsum(spec, x, y)`; None: `jnp.einsum`; the fused
+    # attention kernels refuse one). The embeddings and the heads keep the platform's dot.
     dot_general: Callable | None = None
+    attention_einsum: Callable | None = None
 
     def layers(self, lo: int, hi: int | None) -> "LayerOptions":
         """These options for the layers lo, ..., hi - 1 of the stack (keep and scale cut)."""
@@ -150,7 +153,9 @@ def _run_block(config, layers, h, attention_bias, rng, options, first_index, tok
     skip_dropped = options.keep is not None
     keep = jnp.ones((count,), bool) if options.keep is None else options.keep
     scale = jnp.ones((count,), jnp.float32) if options.scale is None else options.scale
-    layer = Layer(config, options.standardization_site, options.dot_general)
+    layer = Layer(
+        config, options.standardization_site, options.dot_general, options.attention_einsum
+    )
 
     def apply_layer(h, xs):
         layer_params, index, keep_layer, scale_layer = xs

@@ -16,17 +16,14 @@ forms fall off that path, and the backward pass avoids both:
 
 On other platforms (GPU, TPU), and in float32, it is a plain `a @ b`.
 
-`encoder_dot_general` and `attention_einsum` are the encoder's matmuls under a model's
-`matmul_accumulation` setting: the above, or lambjax.precision's emulated chunk-based
-low-precision accumulation (16-bit or eXmY accumulators, optionally of 8-bit operands).
+`dense_dot_general` is the Dense layers' form of it. A training method can give the encoder
+other matmuls (lambjax.models.encoder.LayerOptions).
 """
 
 import math
 
 import jax
 import jax.numpy as jnp
-
-from lambjax.precision import chunked_dot, parse_accumulation
 
 
 def transpose_copy(x: jax.Array) -> jax.Array:
@@ -125,50 +122,3 @@ def dense_dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_ele
         return out.reshape(leading + features)
 
     return jax.lax.platform_dependent(lhs, rhs, cpu=on_cpu, default=plain)
-
-
-def _accumulation(setting: str):
-    """chunked_dot's keyword arguments for a `matmul_accumulation` setting, or None (the
-    platform's dot)."""
-    parsed = parse_accumulation(setting)
-    return None if parsed is None else parsed._asdict()
-
-
-def encoder_dot_general(accumulation: str):
-    """The encoder's Dense layers' dot_general: `dense_dot_general`, or `chunked_dot` over
-    the flattened Dense form where `accumulation` emulates a low-precision accumulator."""
-    kwargs = _accumulation(accumulation)
-    if kwargs is None:
-        return dense_dot_general
-
-    def emulated(lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None):
-        (lhs_contracting, _), _ = dimension_numbers
-        count = len(lhs_contracting)
-        leading, features = lhs.shape[: lhs.ndim - count], rhs.shape[count:]
-        # The Dense form: the inputs' trailing axes against the kernel's leading ones.
-        out = chunked_dot(lhs.reshape(leading + (-1,)), rhs.reshape(-1, *features), **kwargs)
-        return out.astype(lhs.dtype)
-
-    return emulated
-
-
-def attention_einsum(accumulation: str, spec: str, x: jax.Array, y: jax.Array) -> jax.Array:
-    """The two attention einsums; where `accumulation` emulates a low-precision
-    accumulator, `chunked_dot` per batch row and head (the scores q k^T contract the head
-    dimension, the outputs contract the keys)."""
-    kwargs = _accumulation(accumulation)
-    if kwargs is None:
-        return jnp.einsum(spec, x, y)
-
-    def dot(a, b):
-        return chunked_dot(a, b, **kwargs).astype(x.dtype)
-
-    if spec == "bqhd,bkhd->bhqk":
-        per_head = jax.vmap(lambda q, k: dot(q, k.T), in_axes=(1, 1))
-        return jax.vmap(per_head)(x, y)
-    if spec != "bhqk,bkhd->bqhd":
-        raise ValueError(
-            f"attention_einsum: spec {spec!r}; valid: 'bqhd,bkhd->bhqk', 'bhqk,bkhd->bqhd'"
-        )
-    per_head = jax.vmap(dot, in_axes=(0, 1), out_axes=1)
-    return jax.vmap(per_head)(x, y)

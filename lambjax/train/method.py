@@ -26,7 +26,11 @@ class StepMethod(Protocol):
 
     `phase` below is the lambjax.train.phases.Phase being built; the train step's state is a
     lambjax.train.state.TrainState whose `method_state` holds what the method carries from
-    one step to the next (checkpointed with the rest)."""
+    one step to the next (checkpointed with the rest).
+
+    Optionally, a `layer_options` attribute: a lambjax.models.encoder.LayerOptions (e.g. the
+    encoder's matmuls) that the phase's eval step runs the model with, as the method's train
+    step does (the core step: `StepSettings.layer_options`); absent or None: the defaults."""
 
     @property
     def runs_per_layer(self) -> bool:

@@ -183,8 +183,12 @@ class Phase:
         }
 
     def eval_step(self) -> Callable:
-        """The pure eval step as a function of (params, batch)."""
-        return functools.partial(step_lib.eval_step, model_config=self.model_config)
+        """The pure eval step as a function of (params, batch): with the step method's layer
+        options where it has some (lambjax.train.method.StepMethod.layer_options)."""
+        options = getattr(self.plan.step_method, "layer_options", None)
+        return functools.partial(
+            step_lib.eval_step, model_config=self.model_config, layer_options=options
+        )
 
 
 def build_phase(plan: PhasePlan, prepared: data_lib.Prepared) -> Phase:

@@ -179,6 +179,9 @@ class StepSettings:
     # None: XLA all-reduces each micro-batch's gradient inside the loop; a mesh: each data
     # shard of it accumulates unreduced and one sum follows the loop (lambjax.train.reduction).
     reduce_once_on: jax.sharding.Mesh | None = None
+    # The layer stack's options the step starts from (a step method's matmuls, e.g.); the
+    # frozen layers, the standardization site and PLD's draws are set on top of them.
+    layer_options: LayerOptions = LayerOptions()
 
     @classmethod
     def of(
@@ -227,7 +230,8 @@ def train_step(
         stat_keys += ("standardization_loss",)
 
     def loss_fn(trainable, microbatch, microbatch_rng):
-        options = LayerOptions(
+        options = dataclasses.replace(
+            settings.layer_options,
             num_frozen_layers=num_frozen_layers,
             standardization_site=standardization_loss_site if standardize else None,
         )
@@ -310,6 +314,10 @@ def trust_ratio_metrics(opt_state) -> dict:
     return metrics
 
 
-def eval_step(params, batch: dict, *, model_config: BertConfig) -> dict:
-    """Sums of the MLM/NSP statistics over one batch (no dropout); callers add them up."""
-    return pretraining.pretraining_stats(model_config, params, batch)
+def eval_step(
+    params, batch: dict, *, model_config: BertConfig, layer_options: LayerOptions | None = None
+) -> dict:
+    """Sums of the MLM/NSP statistics over one batch (no dropout); callers add them up.
+    `layer_options`: the train step's base options (`StepSettings.layer_options`; None: the
+    defaults)."""
+    return pretraining.pretraining_stats(model_config, params, batch, options=layer_options)

@@ -119,15 +119,6 @@ def multi_stage(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     return with_phases(config, **phases)
 
 
-def chunked_accumulation(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
-    """The encoder's matmuls accumulated in float16 in chunks of 64, Wang et al.'s chunk
-    length (NeurIPS 2018, arXiv 1812.08011), emulated (lambjax.precision): a numerics study,
-    many times slower than the platform's dot. `--config.model.overrides.matmul_accumulation`
-    picks another format or chunk ('float16' alone: naive accumulation)."""
-    config.model.overrides.matmul_accumulation = "float16:chunk=64"
-    return config
-
-
 def standardization_loss(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     """The embeddings' and the encoder's LayerNorms replaced by the standardization loss
     (Collins, Balle, Shlens 2019, arXiv 1903.00925; lambjax.models.standardization).
@@ -155,7 +146,9 @@ VARIANTS = {
     "runlocal": runlocal,
     "pld": layer_drop,
     "mslt": multi_stage,
-    "chunked_accumulation": chunked_accumulation,
+    # float16 accumulation in chunks of 64 in the encoder's matmuls, emulated (Wang et al.,
+    # NeurIPS 2018, arXiv 1812.08011), a step method of its own.
+    "chunked_accumulation": method.variant("lambjax.contrib.chunked_accumulation"),
     "standardization_loss": standardization_loss,
     # Ouroboros (Yang et al., NeurIPS 2019, arXiv 1909.06695), a step method of its own:
     # 4 modules on 3 stages where the depth divides by 3, else 3 on 2.

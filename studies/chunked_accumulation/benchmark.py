@@ -1,4 +1,4 @@
-"""Error of chunk-based low-precision accumulation against chunk size (lambjax.precision).
+"""Error of chunk-based low-precision accumulation against chunk size (lambjax.contrib.precision).
 
   python -m studies.chunked_accumulation.benchmark [--length 2048] [--rows 64] [--columns 32]
 
@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from lambjax import precision
+from lambjax.contrib import precision
 
 # (accumulation format, operand format). The 8-bit row is measured against the float64
 # product of the operands as rounded to 1-5-2, so that it shows the accumulation's error.

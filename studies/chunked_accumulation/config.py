@@ -8,7 +8,8 @@ chunk-based accumulation, as Wang et al. 2018 (arXiv 1812.08011) and Sakr et al.
   python -m lambjax.sweep --config=studies/chunked_accumulation/config.py:pod \
       --workdir=gs://BUCKET/chunked --launcher=tpu     # (or slurm) at BERT-base size
 
-The papers' setting, emulated (lambjax.precision): every matmul of the encoder, forward and
+The papers' setting, emulated (lambjax.contrib.chunked_accumulation, a step method whose
+`chunked_accumulation.setting` each arm sets): every matmul of the encoder, forward and
 both backward GEMMs, takes 1-5-2 operands (float8_e5m2, each operand scaled by a power of
 two first) and adds its products in a 1-6-9 accumulator (e6m9), either one after another
 (naive) or in chunks of 64. The embeddings and heads keep float32, as the papers keep the
@@ -29,6 +30,7 @@ prediction for M in `vrr.mantissas`.
 tests). Steps, seeds, arms and the tolerance below were fixed before the runs.
 """
 
+from lambjax.contrib import chunked_accumulation
 from lambjax.sweep import spec
 from lambjax.train import config as config_lib
 from studies import common
@@ -117,7 +119,9 @@ def get_config(arg=None):
             config.model.overrides.num_layers = study["num_layers"]
     # float32 compute: the emulation rounds float32 operands to 8 bits itself.
     config.model.overrides.dtype = "float32"
-    config.model.overrides.matmul_accumulation = "float32"
+    # The einsum attention in every arm: its two matmuls are the ones the emulation replaces.
+    config.model.overrides.attention = "xla"
+    chunked_accumulation.configure(config)
     config.optimizer = config_lib.optimizer_config("lamb")
     every = max(1, study["num_steps"] // study["evals"])
     config.eval_every_steps = every
@@ -141,7 +145,7 @@ def get_sweep(arg=None):
     _, study = parse(arg)
     trials = [
         spec.labelled(
-            {"seed": 0, "model.overrides.matmul_accumulation": setting},
+            {"seed": 0, "chunked_accumulation.setting": setting},
             accumulation=arm,
             seed=0,
         )
@@ -149,7 +153,7 @@ def get_sweep(arg=None):
     ]
     trials += [
         spec.labelled(
-            {"seed": seed, "model.overrides.matmul_accumulation": ARMS["float32"]},
+            {"seed": seed, "chunked_accumulation.setting": ARMS["float32"]},
             accumulation="float32",
             seed=seed,
         )
@@ -158,7 +162,7 @@ def get_sweep(arg=None):
     if study["narrow_arms"]:
         trials += [
             spec.labelled(
-                {"seed": 0, "model.overrides.matmul_accumulation": setting},
+                {"seed": 0, "chunked_accumulation.setting": setting},
                 accumulation=arm,
                 seed=0,
             )

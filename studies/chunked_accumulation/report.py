@@ -8,11 +8,11 @@ loss curve and applies the rule the study fixed before the runs:
   the papers' claim holds here  if naive ends above the float32 arm of the same seed by
                                 more than `tolerance` and chunk64 within it;
 
-and runs the variance-retention sweep (lambjax.contrib.variance_retention): for each mantissa width
-in `vrr.mantissas`, sums of `vrr.length` standard-normal terms in an e{exponent_bits}mM
-accumulator, naive and in chunks of `vrr.chunk`, measured with lambjax.precision's emulation
-and predicted. Its numbers are kept in DIR/variance_retention.json and reused while the
-study's `vrr` settings are the same.
+and runs the variance-retention sweep (lambjax.contrib.variance_retention): for each mantissa
+width in `vrr.mantissas`, sums of `vrr.length` standard-normal terms in an e{exponent_bits}mM
+accumulator, naive and in chunks of `vrr.chunk`, measured with lambjax.contrib.precision's
+emulation and predicted. Its numbers are kept in DIR/variance_retention.json and reused while
+the study's `vrr` settings are the same.
 
 Written into DIR: the study's section of report.md, training_curves.png (held-out MLM loss
 against step, one line per trial) and variance_retention.png (measured and predicted VRR
@@ -39,6 +39,14 @@ STYLES = {
 }
 
 
+def setting(overrides: dict) -> str | None:
+    """A trial's accumulation setting (`chunked_accumulation.setting`; sweep.json files of
+    earlier runs hold it as the model override `matmul_accumulation`)."""
+    return overrides.get(
+        "chunked_accumulation.setting", overrides.get("model.overrides.matmul_accumulation")
+    )
+
+
 def finals(directory: str, trials: dict) -> list[dict]:
     """One record per labelled trial: its labels, setting, eval curve and final loss."""
     result = []
@@ -48,7 +56,7 @@ def finals(directory: str, trials: dict) -> list[dict]:
             {
                 **trial["labels"],
                 "name": name,
-                "setting": trial["overrides"].get("model.overrides.matmul_accumulation"),
+                "setting": setting(trial["overrides"]),
                 "curve": run["curve"],
                 "final": run["final"] if finished else None,
                 "status": trial.get("status", ""),
@@ -88,7 +96,7 @@ def verdict(records: list[dict], study: dict) -> str:
 def training_table(records: list[dict], study: dict) -> str:
     baseline = {r["seed"]: r["final"] for r in records if r["accumulation"] == study["baseline"]}
     lines = [
-        "| accumulation | seed | matmul_accumulation | final held-out MLM loss "
+        "| accumulation | seed | setting | final held-out MLM loss "
         "| - float32 (same seed) | time | status |",
         "|---|---|---|---|---|---|---|",
     ]

@@ -8,7 +8,8 @@ import os
 
 import pytest
 
-from lambjax import cli, precision
+from lambjax import cli
+from lambjax.contrib import precision
 from lambjax.sweep import report as sweep_report
 from lambjax.sweep import spec
 from lambjax.train import config as config_lib
@@ -38,7 +39,7 @@ def test_the_arms_are_the_papers_arithmetic_and_the_plan_takes_them(size):
         "accumulation=chunk64_e6m4,seed=0",
     ]
     settings = {
-        t.labels["accumulation"]: t.overrides["model.overrides.matmul_accumulation"] for t in trials
+        t.labels["accumulation"]: t.overrides["chunked_accumulation.setting"] for t in trials
     }
     assert precision.parse_accumulation(settings["naive"]) == ("e6m9", None, "float8_e5m2")
     assert precision.parse_accumulation(settings["chunk64"]) == ("e6m9", 64, "float8_e5m2")
@@ -50,20 +51,21 @@ def test_the_arms_are_the_papers_arithmetic_and_the_plan_takes_them(size):
         run_plan = plan.resolve(
             trial_config, vocab_size=trial_config.data.vocab_size, num_devices=devices
         )
-        model = run_plan.phases[0].model
-        assert model.matmul_accumulation == trial.overrides["model.overrides.matmul_accumulation"]
-        assert model.dtype == "float32"
+        model, method = run_plan.phases[0].model, run_plan.phases[0].step_method
+        setting = trial.overrides["chunked_accumulation.setting"]
+        assert (method and method.setting) == (None if setting == "float32" else setting)
+        assert model.dtype == "float32" and model.attention == "xla"
     study = module.get_study(size)
     assert study["tokens_per_weight_gradient"] == {"cpu": 4096, "pod": 8192}[size]
 
 
 def test_the_plan_refuses_an_unknown_operand_format_in_one_line():
     config = study_module().get_config("cpu")
-    config.model.overrides.matmul_accumulation = "e6m9:operands=float8_e3m4"
+    config.chunked_accumulation.setting = "e6m9:operands=float8_e3m4"
     with pytest.raises(config_lib.ConfigError) as error:
         plan.resolve(config, vocab_size=2048, num_devices=1)
     message = str(error.value)
-    assert "matmul_accumulation='e6m9:operands=float8_e3m4'" in message
+    assert "chunked_accumulation.setting='e6m9:operands=float8_e3m4'" in message
     assert "['float8_e5m2', 'float8_e4m3fn']" in message and "\n" not in message
 
 
@@ -131,3 +133,9 @@ def test_the_report_answers_from_the_smallest_forms_trials(tmp_path):
     assert [r["mantissa_bits"] for r in rows] == [3, 9]
     assert rows[1]["naive_measured"] == pytest.approx(1.0, abs=0.01)
     assert rows[0]["naive_measured"] < rows[0]["chunked_measured"]
+
+
+def test_the_report_reads_the_setting_under_either_key():
+    # sweep.json files of earlier runs recorded the setting as a model override.
+    assert chunked_accumulation.setting({"chunked_accumulation.setting": "e6m9"}) == "e6m9"
+    assert chunked_accumulation.setting({"model.overrides.matmul_accumulation": "e6m9"}) == "e6m9"

@@ -65,7 +65,7 @@ def test_the_prediction_has_the_right_limits():
 
 @pytest.mark.parametrize("mantissa_bits, chunk_size", [(2, None), (8, None), (2, 32)])
 def test_the_prediction_follows_the_emulated_sums(mantissa_bits, chunk_size):
-    # 1,024 sums of 2,048 N(0, 1) terms in e6mM, emulated by lambjax.precision. Within 0.1:
+    # 1,024 sums of 2,048 N(0, 1) terms in e6mM, emulated by lambjax.contrib.precision. Within 0.1:
     # the prediction is a model (Gaussian running sums), not the paper's equation. Measured
     # / predicted: 2 bits naive 0.101 / 0.072, chunks of 32 0.692 / 0.774; 8 bits 1.000 /
     # 0.999.

@@ -214,3 +214,26 @@ def test_train_step_lowers_to_splash_kernels():
     # The kernels live in shared functions; each layer calls the forward and the backward.
     calls = re.findall(r"call @(_splash_attention\w*)\(", text)
     assert len(calls) == 2 * config.num_layers, calls
+
+
+def test_a_fused_kernel_refuses_an_attention_einsum():
+    config = BertConfig(attention="splash", attention_dropout=0.0)
+    q = jnp.ones((1, 8, 2, 4))
+    mask = attention.AttentionMask.from_input_mask(jnp.ones((1, 8), jnp.int32))
+    with pytest.raises(ValueError, match="attention='splash' is a fused kernel") as error:
+        attention.attend(config, q, q, q, mask, dropout=lambda w: w, einsum=jnp.einsum)
+    assert "needs attention='xla'" in str(error.value) and "\n" not in str(error.value)
+
+
+def test_the_einsum_form_runs_the_given_einsum():
+    specs = []
+
+    def recording(spec, x, y):
+        specs.append(spec)
+        return jnp.einsum(spec, x, y)
+
+    q = jax.random.normal(jax.random.key(0), (1, 8, 2, 4))
+    mask = attention.AttentionMask.from_input_mask(jnp.ones((1, 8), jnp.int32))
+    out = attention.xla_attention(q, q, q, mask, dropout=lambda w: w, einsum=recording)
+    np.testing.assert_array_equal(out, attention.xla_attention(q, q, q, mask, dropout=lambda w: w))
+    assert specs == ["bqhd,bkhd->bhqk", "bhqk,bkhd->bqhd"]

@@ -209,3 +209,10 @@ def test_frozen_layers_get_no_gradient(params):
     for leaf in jax.tree.leaves(layers):
         assert np.all(np.asarray(leaf[:2]) == 0) and np.any(np.asarray(leaf[2]) != 0)
     assert np.all(np.asarray(grads["embeddings"]["position"]["embedding"]) == 0)
+
+
+def test_a_recorded_config_reads_back_and_drops_the_retired_accumulation_field():
+    config = BertConfig.preset("tiny", vocab_size=128)
+    recorded = dataclasses.asdict(config)
+    assert BertConfig.from_dict(recorded) == config
+    assert BertConfig.from_dict({**recorded, "matmul_accumulation": "float32"}) == config

@@ -225,3 +225,42 @@ def test_logged_norms_cost_no_pass_where_the_optimizer_measures_them(name, optim
     alone = passes(update_and_apply(tx), params, state.opt_state, params, donate=(0, 1))
     assert alone == pytest.approx(optimizer_alone, abs=0.01)
     assert passes(update, state, params, donate=(0,)) == pytest.approx(step, abs=0.01)
+
+
+def test_the_steps_run_the_layer_options_they_are_given(optimizer):
+    """`StepSettings.layer_options` (a step method's matmuls, e.g.) reach the train step's
+    layer stack, and eval_step's `layer_options` its own."""
+    from lambjax.models import matmul
+    from lambjax.models.encoder import LayerOptions
+
+    calls = {"train": 0, "eval": 0}
+
+    def recording(name):
+        def dot_general(*args, **kwargs):
+            calls[name] += 1
+            return matmul.dense_dot_general(*args, **kwargs)
+
+        return dot_general
+
+    settings = step_lib.StepSettings(
+        model_config=CONFIG,
+        optimizer=optimizer,
+        schedule=optax.constant_schedule(1e-3),
+        grad_accum_steps=1,
+        layer_options=LayerOptions(dot_general=recording("train")),
+    )
+    state, batch = fresh_state(optimizer), random_batch()
+    new_state, _ = jax.jit(functools.partial(step_lib.train_step, settings=settings))(
+        state, batch, jax.random.key(1)
+    )
+    want, _ = jitted_step(optimizer, 1)(state, batch, jax.random.key(1))
+    # The same matmul as the default: the same step; six Dense layers per traced layer.
+    jax.tree.map(np.testing.assert_array_equal, new_state.params, want.params)
+    assert calls["train"] >= 6
+    options = LayerOptions(dot_general=recording("eval"))
+    stats = step_lib.eval_step(state.params, batch, model_config=CONFIG, layer_options=options)
+    assert calls["eval"] == 6  # the scanned layers, traced once
+    np.testing.assert_array_equal(
+        stats["mlm_loss_sum"],
+        step_lib.eval_step(state.params, batch, model_config=CONFIG)["mlm_loss_sum"],
+    )

@@ -1,7 +1,7 @@
-"""lambjax.precision.chunked_dot against an independent NumPy emulation of the papers' scheme
-and a float64 reference (Wang et al. 2018, arXiv 1812.08011; Sakr et al. 2019, 1901.06588)."""
+"""lambjax.contrib.precision.chunked_dot against an independent NumPy emulation of the papers'
+scheme and a float64 reference (Wang et al. 2018, arXiv 1812.08011; Sakr et al. 2019,
+1901.06588), and the encoder running it through lambjax.contrib.chunked_accumulation."""
 
-import dataclasses
 import functools
 
 import jax
@@ -10,7 +10,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from lambjax import precision
+from lambjax.contrib import chunked_accumulation, precision
 from lambjax.models import encoder, matmul
 from lambjax.models.config import BertConfig
 from lambjax.models.encoder import LayerOptions
@@ -235,7 +235,7 @@ def test_bad_arguments_get_one_line_naming_them(kwargs, message):
         ("e6m9:operands=float8_e4m3fn", ("e6m9", None, "float8_e4m3fn")),
     ],
 )
-def test_matmul_accumulation_settings(spec, parsed):
+def test_accumulation_settings(spec, parsed):
     assert precision.parse_accumulation(spec) == parsed
 
 
@@ -252,7 +252,7 @@ def test_matmul_accumulation_settings(spec, parsed):
         "e6m9:chunk=64:chunk=32",
     ],
 )
-def test_bad_matmul_accumulation_settings_are_refused(spec):
+def test_bad_accumulation_settings_are_refused(spec):
     with pytest.raises(ValueError, match="valid: 'float32'"):
         precision.parse_accumulation(spec)
 
@@ -278,11 +278,12 @@ def encoder_states(accumulation: str) -> np.ndarray:
     """The encoder's last hidden states for one small batch (forward only: the backward
     GEMMs are checked on chunked_dot itself above; the model's forward is where the
     routing happens)."""
-    config = dataclasses.replace(SMALL_BERT, matmul_accumulation=accumulation)
+    options = chunked_accumulation.layer_options(accumulation)
     batch = random_batch(seq=16, batch=4)
-    encode = jax.jit(functools.partial(encoder.encode, config))
+    forward = jax.jit(functools.partial(encoder.encoder_outputs, SMALL_BERT, options=options))
     inputs = (batch["input_ids"], batch["segment_ids"], batch["input_mask"])
-    return np.asarray(encode(small_bert_params(), *inputs))
+    states, _ = forward(small_bert_params(), *inputs)
+    return np.asarray(states)
 
 
 def test_the_encoder_routes_its_matmuls_through_chunked_dot():
@@ -314,8 +315,3 @@ def test_a_dot_general_in_the_layer_options_runs_the_encoder_layers_matmuls():
     assert sorted(kernels) == sorted([(32, *heads)] * 3 + [(*heads, 32), (32, 64), (64, 32)]), (
         kernels
     )
-
-
-def test_a_bad_model_accumulation_names_the_field():
-    with pytest.raises(ValueError, match="BertConfig.matmul_accumulation='float16:64'"):
-        BertConfig(matmul_accumulation="float16:64")

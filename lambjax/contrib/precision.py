@@ -243,7 +243,8 @@ def chunked_dot(
 
 
 class Accumulation(NamedTuple):
-    """A parsed `matmul_accumulation` setting: chunked_dot's keyword arguments."""
+    """A parsed accumulation setting (lambjax.contrib.chunked_accumulation): chunked_dot's
+    keyword arguments."""
 
     accumulation_dtype: str
     chunk_size: int | None
@@ -251,11 +252,11 @@ class Accumulation(NamedTuple):
 
 
 def parse_accumulation(spec: str) -> Accumulation | None:
-    """A model's `matmul_accumulation` setting: None for "float32" (the platform's own dot,
-    which accumulates in float32), else the emulation's settings for "FORMAT[:chunk=N]
-    [:operands=OPERAND]": FORMAT float32, float16, bfloat16 or eXmY; no chunk: naive
-    accumulation; OPERAND float8_e5m2 or float8_e4m3fn (the papers' 8-bit products), e.g.
-    "e6m9:chunk=64:operands=float8_e5m2"."""
+    """An accumulation setting (`chunked_accumulation.setting`): None for "float32" (the
+    platform's own dot, which accumulates in float32), else the emulation's settings for
+    "FORMAT[:chunk=N][:operands=OPERAND]": FORMAT float32, float16, bfloat16 or eXmY; no
+    chunk: naive accumulation; OPERAND float8_e5m2 or float8_e4m3fn (the papers' 8-bit
+    products), e.g. "e6m9:chunk=64:operands=float8_e5m2"."""
     if spec == "float32":
         return None
     name, *options = spec.split(":")
@@ -276,7 +277,7 @@ def parse_accumulation(spec: str) -> Accumulation | None:
         valid = False
     if not valid:
         raise ValueError(
-            f"matmul_accumulation={spec!r}; valid: 'float32' (the platform's dot), or "
+            f"setting={spec!r}; valid: 'float32' (the platform's dot), or "
             f"FORMAT[:chunk=N][:operands=OPERAND] for FORMAT in {list(ACCUMULATION_DTYPES)} "
             f"or eXmY (X <= 8, Y <= {MAX_MANTISSA_BITS}), N > 0 (none: naive accumulation), "
             f"OPERAND in {list(OPERAND_DTYPES)}; e.g. 'float16:chunk=64', "
