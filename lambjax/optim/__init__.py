@@ -24,16 +24,13 @@ from lambjax.optim.schedules import (
     poly_warmup_schedule,
     warmup_constant_decay_schedule,
 )
+from lambjax.optim.state import last_norms, last_trust_ratios, per_tensor_tree, restart_step_count
 from lambjax.optim.transforms import (
     LearningRateState,
     ScaleByLansState,
     TrustRatioState,
     clip_by_global_norm,
-    last_norms,
-    last_trust_ratios,
     normalize_per_tensor,
-    per_tensor_tree,
-    restart_step_count,
     scale_by_adam,
     scale_by_lans,
     scale_by_learning_rate,

@@ -4,7 +4,7 @@ import optax
 
 from lambjax.optim import transforms
 from lambjax.optim.hyperparameters import check_hyperparameters, is_python_zero
-from lambjax.optim.transforms import MaskOrFn
+from lambjax.optim.per_tensor import MaskOrFn, checked_mask
 
 
 def lamb(
@@ -45,7 +45,7 @@ def lamb(
     """
     check_hyperparameters(learning_rate, b1, b2, eps, weight_decay, max_global_norm)
     if weight_decay_mask is not None:
-        weight_decay_mask = transforms.checked_mask(weight_decay_mask, "weight_decay_mask")
+        weight_decay_mask = checked_mask(weight_decay_mask, "weight_decay_mask")
     return optax.chain(
         transforms.optional_clip_by_global_norm(max_global_norm),
         transforms.scale_by_adam(b1, b2, eps, bias_correction=bias_correction),

@@ -4,7 +4,7 @@ import optax
 
 from lambjax.optim import transforms
 from lambjax.optim.hyperparameters import check_hyperparameters
-from lambjax.optim.transforms import MaskOrFn
+from lambjax.optim.per_tensor import MaskOrFn
 
 
 def lans(

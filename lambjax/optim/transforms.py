@@ -2,183 +2,35 @@
 
 Every transform works per tensor: per parameter leaf, or per layer slice of a leaf whose
 leading axis stacks layers (declared by the caller through `stacked_layers`, a pytree of
-bools or a callable on params, like optax masks). Norms of zero never produce NaN.
-
-Norms are computed as dot products (`sum(x * x)` contracted by XLA's dot emitter) of
-tensors that are already in memory: on XLA:CPU a reduction fused with the arithmetic that
-produces its input runs scalar code and recomputes that arithmetic in the consumer, which
-made the trust-ratio step several times slower than an Adam step (docs/performance.md).
-A tensor whose type carries an explicit sharding (`jax.sharding.AxisType.Explicit`) is
-reduced with a sum of squares instead: a dot over a sharded dimension would need its output
-sharding spelled out. A complex tensor's norm is that of |x|.
-
-The states keep what the last update measured, for logging, as one vector per kind
-(`concat_per_tensor`): optax's tree utilities then see no second copy of the parameters'
-tree in them (docs/guide/optimizers.md).
+bools or a callable on params, like optax masks). Norms of zero never produce NaN. The
+per-tensor norms and masks are in lambjax.optim.per_tensor; what reads a state back
+(step counters, last trust ratios and norms) in lambjax.optim.state.
 """
 
 import functools
-from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import optax
 import optax.tree_utils as otu
-from jax.sharding import PartitionSpec
 
 from lambjax.optim.hyperparameters import check_max_norm, is_python_zero
-
-MaskOrFn = Any  # a pytree of bools matching params, a callable params -> such a tree, or None
-
-
-# ----------------------------------------------------------------------------------------
-# Masks and per-tensor norms
-
-
-def resolve_mask(mask: MaskOrFn, params, *, argument: str, default: bool):
-    """A mask argument as a tree of bools matching `params` (None -> all `default`)."""
-    if mask is None:
-        return jax.tree.map(lambda _: default, params)
-    tree = mask(params) if callable(mask) else mask
-    params_structure = jax.tree.structure(params)
-    mask_structure = jax.tree.structure(tree)
-    if mask_structure != params_structure:
-        raise ValueError(
-            f"{argument}: its tree does not match the parameters' tree "
-            f"(mask: {mask_structure}; params: {params_structure})"
-        )
-    return tree
-
-
-def checked_mask(mask: MaskOrFn, argument: str) -> Callable:
-    """A mask for optax blocks (e.g. `optax.masked`) that names `argument` on a mismatch."""
-    return lambda params: resolve_mask(mask, params, argument=argument, default=True)
-
-
-def resolve_per_tensor_masks(params, mask: MaskOrFn, argument: str, stacked_layers: MaskOrFn):
-    """(mask, stacked) as trees of bools for `params`: `mask` (None = all True, named
-    `argument` in errors) and which leaves stack layers (None = none)."""
-    if params is None:
-        raise ValueError(optax.NO_PARAMS_MSG)
-    return (
-        resolve_mask(mask, params, argument=argument, default=True),
-        resolve_mask(stacked_layers, params, argument="stacked_layers", default=False),
-    )
-
-
-def norm_dtype(x: jax.Array):
-    """The dtype a tensor's norm is taken in: float32, or complex64 for complex tensors."""
-    return jnp.complex64 if jnp.iscomplexobj(x) else jnp.float32
-
-
-def sharded_in_type(x: jax.Array) -> bool:
-    """Whether a dimension of x is sharded over an explicit mesh axis (its sharding is part
-    of its type): flattening it, or contracting it in a dot, would need an output sharding."""
-    sharding = jax.typeof(x).sharding
-    explicit = set(sharding.mesh.explicit_axes)
-    for entry in sharding.spec:
-        names = entry if isinstance(entry, tuple) else (entry,)
-        if explicit.intersection(names):
-            return True
-    return False
-
-
-def tensor_sq_norms(x: jax.Array, stacked: bool) -> jax.Array:
-    """Squared L2 norm of each tensor: a scalar, or one per layer slice ([L]) if stacked.
-    A complex tensor's is sum(|x|^2). Always float32."""
-    x = x.astype(norm_dtype(x))
-    stacked = stacked and x.ndim >= 1
-    if sharded_in_type(x):
-        squares = jnp.real(x * jnp.conj(x)) if jnp.iscomplexobj(x) else jnp.square(x)
-        return jnp.sum(squares, axis=tuple(range(1 if stacked else 0, x.ndim)))
-    if stacked:
-        flat = x.reshape(x.shape[0], -1)
-        return jnp.real(jnp.einsum("ln,ln->l", jnp.conj(flat), flat))
-    flat = x.reshape(-1)
-    return jnp.real(jnp.dot(jnp.conj(flat), flat))
-
-
-def global_norm_of_sq_norms(sq_norms) -> jax.Array:
-    """sqrt of the sum of a tree of squared per-tensor (per-slice) norms: the global norm.
-
-    The barrier keeps XLA from folding the sum over a stacked leaf's slices into their dot
-    product: it would square the whole tensor into a written-out temporary and reduce that
-    (1.5 parameter-sized passes more for LAMB on XLA:CPU).
-    """
-    sq_norms = jax.tree.leaves(sq_norms)
-    if not sq_norms:
-        return jnp.zeros([], jnp.float32)
-    sq_norms = jax.lax.optimization_barrier(sq_norms)
-    return jnp.sqrt(sum(jnp.sum(x) for x in sq_norms))
-
-
-def broadcast_per_tensor(values: jax.Array, x: jax.Array) -> jax.Array:
-    """[L] per-slice values -> broadcastable against the stacked tensor x."""
-    if values.ndim == 0:
-        return values
-    return values.reshape(values.shape + (1,) * (x.ndim - 1))
-
-
-def ones_per_tensor(x: jax.Array, stacked: bool) -> jax.Array:
-    """A ratio of 1 for the tensor: a scalar, or one per layer slice if stacked."""
-    return jnp.ones((x.shape[0],) if stacked and x.ndim else (), jnp.float32)
-
-
-def per_tensor_count(params, stacked) -> int:
-    """How many per-tensor values `params` has: one per leaf, one per layer slice of a
-    stacked leaf."""
-    return sum(
-        x.shape[0] if is_stacked and x.ndim else 1
-        for x, is_stacked in zip(*flatten_alike(params, stacked), strict=True)
-    )
-
-
-def flatten_alike(tree, *others) -> tuple[list, ...]:
-    """The leaves of `tree`, and those of each tree in `others` that has its structure
-    (masks), in the same order. Any number of leaves, none included."""
-    leaves, treedef = jax.tree.flatten(tree)
-    return (leaves, *(treedef.flatten_up_to(other) for other in others))
-
-
-def concat_per_tensor(values: list) -> jax.Array:
-    """Per-tensor values (scalars, [L] for stacked leaves) as one float32 vector, in the
-    order of the parameters' leaves: what the states keep for logging. One array, whatever
-    the parameters' tree: it is no parameter-shaped tree for optax's tree utilities
-    (`optax.tree_map_params` maps it as a non-parameter), and its size does not change
-    with how a tree holds its layers."""
-    if not values:
-        return jnp.zeros((0,), jnp.float32)
-    # A stacked leaf's layer axis may be sharded in its type: replicate, as init's vector.
-    values = [jax.sharding.reshard(v, PartitionSpec()) if sharded_in_type(v) else v for v in values]
-    return jnp.concatenate([jnp.ravel(v).astype(jnp.float32) for v in values])
-
-
-def unit_ratios(params, stacked) -> jax.Array:
-    """A fresh vector of trust ratios 1, one per tensor (per layer slice if stacked)."""
-    return jnp.ones((per_tensor_count(params, stacked),), jnp.float32)
-
-
-def safe_ratio(numerator: jax.Array, denominator: jax.Array, guard: jax.Array) -> jax.Array:
-    """numerator / denominator, or 1 where `guard` is true (a zero norm)."""
-    safe_denominator = jnp.where(guard, 1.0, denominator)
-    return jnp.where(guard, 1.0, numerator / safe_denominator)
-
-
-def clip_param_norm(param_norm, bounds: tuple[float, float] | None):
-    """phi(||x||): the identity, or clipped to [lower, upper]."""
-    if bounds is None:
-        return param_norm
-    lower, upper = bounds
-    return jnp.clip(param_norm, lower, upper)
-
-
-def _check_bounds(bounds, argument: str):
-    if bounds is None:
-        return
-    if len(bounds) != 2 or not 0 <= bounds[0] <= bounds[1]:
-        raise ValueError(f"{argument}={bounds!r} must be a pair with 0 <= lower <= upper")
-
+from lambjax.optim.per_tensor import (
+    MaskOrFn,
+    broadcast_per_tensor,
+    check_bounds,
+    clip_param_norm,
+    concat_per_tensor,
+    flatten_alike,
+    global_norm_of_sq_norms,
+    ones_per_tensor,
+    resolve_mask,
+    resolve_per_tensor_masks,
+    safe_ratio,
+    tensor_sq_norms,
+    unit_ratios,
+)
 
 # ----------------------------------------------------------------------------------------
 # Global gradient-norm clipping
@@ -313,7 +165,7 @@ def scale_by_trust_ratio(
     References:
       You et al., 2020: https://arxiv.org/abs/1904.00962 (LAMB, Algorithm 2)
     """
-    _check_bounds(param_norm_bounds, "param_norm_bounds")
+    check_bounds(param_norm_bounds, "param_norm_bounds")
 
     def init_fn(params):
         _, stacked = resolve_per_tensor_masks(params, mask, "mask", stacked_layers)
@@ -389,7 +241,7 @@ def scale_by_lans(
     References:
       Zheng et al., 2020: https://arxiv.org/abs/2006.13484 (LANS, Algorithm 2)
     """
-    _check_bounds(param_norm_bounds, "param_norm_bounds")
+    check_bounds(param_norm_bounds, "param_norm_bounds")
 
     def masks(params):
         return resolve_per_tensor_masks(
@@ -496,109 +348,3 @@ def scale_by_learning_rate(learning_rate: optax.ScalarOrSchedule) -> optax.Gradi
         return updates, LearningRateState(optax.safe_increment(state.schedule_count), step_size)
 
     return optax.GradientTransformation(init_fn, update_fn)
-
-
-# ----------------------------------------------------------------------------------------
-# State utilities
-
-
-def _map_states(fn: Callable[[Any], Any], state):
-    """Applies `fn` to every NamedTuple in an optimizer state (chains, masks, injections)."""
-    if isinstance(state, tuple) and hasattr(state, "_fields"):
-        state = fn(state)
-        return type(state)(*(_map_states(fn, field) for field in state))
-    if isinstance(state, tuple | list):
-        return type(state)(_map_states(fn, s) for s in state)
-    if isinstance(state, dict):
-        return {k: _map_states(fn, v) for k, v in state.items()}
-    return state
-
-
-_STEP_COUNTERS = ("count", "schedule_count")
-
-
-def restart_step_count(opt_state):
-    """Every step counter (Adam's bias correction, schedules, ...) back to 0; moments kept.
-
-    NVIDIA's BERT phase 2 starts this way from phase 1's optimizer state.
-    """
-
-    def restart(s):
-        counters = [name for name in _STEP_COUNTERS if name in s._fields]
-        return s._replace(**{name: jnp.zeros_like(getattr(s, name)) for name in counters})
-
-    return _map_states(restart, opt_state)
-
-
-def last_trust_ratios(opt_state, params=None, stacked_layers: MaskOrFn = None) -> dict[str, Any]:
-    """The trust ratios of the last update, by name: `trust_ratio` (LAMB), or
-    `trust_ratio_adam` and `trust_ratio_gradient` (LANS). Empty for other optimizers.
-
-    Each is one vector of per-tensor ratios (per layer slice of a stacked leaf), in the
-    order of the parameters' leaves; given the parameters (and the optimizer's
-    `stacked_layers`), a tree like them (`per_tensor_tree`).
-    """
-    found: dict[str, Any] = {}
-
-    def collect(s):
-        if isinstance(s, TrustRatioState):
-            found["trust_ratio"] = s.trust_ratios
-        elif isinstance(s, ScaleByLansState):
-            found["trust_ratio_adam"] = s.adam_trust_ratios
-            found["trust_ratio_gradient"] = s.gradient_trust_ratios
-        return s
-
-    _map_states(collect, opt_state)
-    if params is None:
-        return found
-    return {name: per_tensor_tree(v, params, stacked_layers) for name, v in found.items()}
-
-
-def per_tensor_tree(values: jax.Array, params, stacked_layers: MaskOrFn = None):
-    """A vector of per-tensor values (`concat_per_tensor`'s, e.g. trust ratios) as a tree
-    like `params`: a scalar per leaf, [L] per stacked leaf."""
-    stacked = resolve_mask(stacked_layers, params, argument="stacked_layers", default=False)
-    leaves, stacked_leaves = flatten_alike(params, stacked)
-    sizes = [
-        x.shape[0] if s and x.ndim else None for x, s in zip(leaves, stacked_leaves, strict=True)
-    ]
-    expected = sum(1 if n is None else n for n in sizes)
-    if values.shape != (expected,):
-        raise ValueError(
-            f"per_tensor_tree: {values.shape[0]} values for parameters with {expected} "
-            "tensors (layer slices counted): pass the optimizer's params and stacked_layers"
-        )
-    out, start = [], 0
-    for n in sizes:
-        out.append(values[start] if n is None else values[start : start + n])
-        start += 1 if n is None else n
-    return jax.tree.structure(params).unflatten(out)
-
-
-def last_norms(opt_state) -> dict[str, jax.Array]:
-    """The global norms of the last update that the optimizer measured on its way, by name:
-    `param_norm` (of the parameters given to `update`; LAMB and LANS) and `update_norm` (of
-    the update returned; LAMB: the trust-ratio block's output norm times the rate that
-    `scale_by_learning_rate` applied after it). Each global norm is the square root of the
-    sum of the squared per-tensor norms the trust ratios are made of.
-
-    A name is missing where the optimizer does not measure it: `lans` has no `update_norm`
-    (its step sums two directions; the norm of the sum would cost another pass over both),
-    optax's optimizers neither.
-    """
-    found: dict[str, Any] = {}
-
-    def collect(s):
-        if isinstance(s, TrustRatioState):
-            found["param_norm"], found["direction_norm"] = s.param_norm, s.update_norm
-        elif isinstance(s, ScaleByLansState):
-            found["param_norm"] = s.param_norm
-        elif isinstance(s, LearningRateState):
-            found["learning_rate"] = s.last_learning_rate
-        return s
-
-    _map_states(collect, opt_state)
-    norms = {"param_norm": found["param_norm"]} if "param_norm" in found else {}
-    if "direction_norm" in found and "learning_rate" in found:
-        norms["update_norm"] = jnp.abs(found["learning_rate"]) * found["direction_norm"]
-    return norms
