@@ -9,9 +9,8 @@ def cpu_study_config(preset: str = "tiny") -> ml_collections.ConfigDict:
     """The CPU studies' shared set-up: `preset` (layers unrolled, faster on XLA:CPU) on
     CPython's embedded corpus with a WordPiece vocabulary of 2,048 trained on it and 10% of
     the documents held out, every evaluation over every whole batch of the held-out split
-    (the reader drops the remainder: at sequence 32, 160 of 171 sequences; studies.held_out
-    counts them). Studies that use it with the same sequence length share one dataset in a
-    data_dir."""
+    (the reader drops the remainder; studies.held_out counts what is scored). Studies that
+    use it with the same sequence length share one dataset in a data_dir."""
     config = config_lib.base_config()
     config.model.preset = preset
     config.model.overrides.scan_layers = False
