@@ -103,6 +103,31 @@ def seed_verdict(gap: float, band: float, seeds: int, noun: str = "the seed spre
     return f"inconclusive ({multiple:.1f}x {noun}{sign})"
 
 
+def fewest_seeds(chosen: list[dict], every: list[dict], labels: tuple[str, ...]) -> int:
+    """The fewest seeds any chosen point's arm was run with: the points of `every` that
+    share its `labels` (all but the seed)."""
+    runs = [sum(all(q.get(k) == p.get(k) for k in labels) for q in every) for p in chosen]
+    return min(runs, default=0)
+
+
+def reading_note(points: list[dict], seeds: int) -> str:
+    """What a report's steps and gaps can carry: the evaluation intervals of the `points`'
+    curves (a steps count is exact only to its interval) and the seeds per arm (with fewer
+    than MIN_SEEDS a gap between arms is a direction, not a verdict)."""
+    intervals = set()
+    for p in points:
+        steps = [step for step, _ in p["curve"]]
+        intervals |= {b - a for a, b in zip(steps, steps[1:], strict=False)}
+    every = ", ".join(map(str, sorted(intervals))) or "-"
+    note = f"Steps to a target are exact to the evaluation interval (every {every} steps)."
+    if seeds < MIN_SEEDS:
+        note += (
+            f" {'One seed' if seeds == 1 else f'{seeds} seeds'} per arm: a gap between arms "
+            f"is a direction, not a verdict, until {MIN_SEEDS} seeds give it a spread."
+        )
+    return note
+
+
 def cumulative_times(log_steps: list[int], step_times: list[tuple[int, float]]) -> dict:
     """Log step -> training seconds up to it: each window's steps times its step time; a
     window without one (the first: compilation) at the next measured window's."""

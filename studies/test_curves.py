@@ -66,3 +66,17 @@ def test_a_steps_count_is_exact_to_its_evaluation_interval():
 )
 def test_a_gap_is_a_verdict_only_against_a_spread_of_enough_seeds(gap, band, seeds, expected):
     assert curves.seed_verdict(gap, band, seeds) == expected
+
+
+def test_a_report_says_what_its_steps_and_gaps_can_carry():
+    points = [
+        {"arm": "a", "seed": 0, "curve": [(20, 6.0), (40, 5.8), (60, 5.6)]},
+        {"arm": "b", "seed": 0, "curve": [(20, 6.1), (40, 5.9), (50, 5.7)]},
+    ]
+    every = [*points, {"arm": "a", "seed": 1, "curve": []}]
+    assert curves.fewest_seeds(points, every, ("arm",)) == 1  # b ran once
+    assert curves.fewest_seeds(points[:1], every, ("arm",)) == 2
+    note = curves.reading_note(points, 1)
+    assert note.startswith("Steps to a target are exact to the evaluation interval (every 10, 20")
+    assert "One seed per arm: a gap between arms is a direction, not a verdict, until 3" in note
+    assert "seed" not in curves.reading_note(points, 3)
