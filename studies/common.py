@@ -8,8 +8,9 @@ from lambjax.train import config as config_lib
 def cpu_study_config(preset: str = "tiny") -> ml_collections.ConfigDict:
     """The CPU studies' shared set-up: `preset` (layers unrolled, faster on XLA:CPU) on
     CPython's embedded corpus with a WordPiece vocabulary of 2,048 trained on it and 10% of
-    the documents held out, every evaluation over the whole held-out split. Studies that use
-    it with the same sequence length share one dataset in a data_dir."""
+    the documents held out, every evaluation over every whole batch of the held-out split
+    (the reader drops the remainder; studies.held_out counts what is scored). Studies that
+    use it with the same sequence length share one dataset in a data_dir."""
     config = config_lib.base_config()
     config.model.preset = preset
     config.model.overrides.scan_layers = False
@@ -18,6 +19,6 @@ def cpu_study_config(preset: str = "tiny") -> ml_collections.ConfigDict:
     config.data.vocab_size = 2048
     config.data.validation_fraction = 0.1
     config.eval_batch_size = 32
-    config.eval_steps = 0  # the whole held-out split, the same for every trial
+    config.eval_steps = 0  # every whole held-out batch, the same for every trial
     config.checkpoint_every_steps = 1000
     return config

@@ -1,11 +1,13 @@
 """What the study reports read off their trials: each labelled trial's held-out loss curve
 and logged step times, steps and training time to a target loss.
 
-Steps to a target are the first evaluation at or below it (exact to the evaluation
-interval). Training time adds up the trial's logged step times (`train/step_time_s`, each
-the mean of its log window) to that step: compiling and evaluating are not counted, and the
-first window, which holds the compilation and has no step time, is counted at the next
-window's rate.
+Steps to a target are the first evaluation at or below it, exact only to the evaluation
+interval (`target_bracket`, `ratio_range`); a gap to a baseline reads as better or worse
+only against a noise band measured from at least MIN_SEEDS seeds (`seed_verdict`).
+Training time adds up the trial's logged step times (`train/step_time_s`, each the mean of
+its log window) to that step: compiling and evaluating are not counted, and the first
+window, which holds the compilation and has no step time, is counted at the next window's
+rate.
 
 Trials that ran side by side, or at different times, logged their step times at whatever
 load the machine had then; `studies/pld/benchmark.py --sweep DIR` times one step of each
@@ -24,6 +26,9 @@ from lambjax.train.metrics import read_jsonl
 
 LOSS, STEP_TIME = "eval/mlm_loss", "train/step_time_s"
 STEP_TIMES_FILE = "step_times.json"
+# Fewer runs than this per arm give no spread to read a gap against: a gap is a verdict
+# only where the baseline was run with at least this many seeds.
+MIN_SEEDS = 3
 # Labels that leave the cost of a step alone: trials that differ only in them are one arm.
 COST_FREE_LABELS = ("lr", "seed")
 
@@ -63,6 +68,64 @@ def read_run(workdir: str) -> dict:
 def steps_to_target(curve: list[tuple[int, float]], target: float) -> int | None:
     """The first evaluated step at or below `target`; None if none is."""
     return next((step for step, loss in curve if loss <= target), None)
+
+
+def target_bracket(curve: list[tuple[int, float]], target: float) -> tuple[int, int] | None:
+    """(lo, hi): the target was first reached after step lo and at step hi, the evaluation
+    before the first one at or below it (0 where that is the first) and that one; None if
+    none is. A steps count read off evaluations is exact only to this interval."""
+    hi = steps_to_target(curve, target)
+    if hi is None:
+        return None
+    return max((step for step, _ in curve if step < hi), default=0), hi
+
+
+def ratio_range(numerator: tuple[int, int], denominator: tuple[int, int]) -> tuple[float, float]:
+    """The range of steps_a / steps_b that two target brackets allow: each count lies in
+    (lo, hi], so the ratio lies between lo_a / hi_b and hi_a / lo_b (inf where lo_b is 0)."""
+    (lo_a, hi_a), (lo_b, hi_b) = numerator, denominator
+    return lo_a / hi_b, (hi_a / lo_b if lo_b else math.inf)
+
+
+def seed_verdict(gap: float, band: float, seeds: int, noun: str = "the seed spread") -> str:
+    """How a gap to the baseline reads against a noise band measured from `seeds` runs of
+    it: `better` or `worse` where the gap is beyond the band, `comparable` within it; but
+    where the band comes from fewer than MIN_SEEDS runs it is one or two samples of the
+    noise and bounds nothing, so the reading is `inconclusive`, with the gap as a multiple
+    of the band and its sign; `-` where either is unknown."""
+    if not (math.isfinite(gap) and math.isfinite(band)):
+        return "-"
+    within = abs(gap) <= band
+    if seeds >= MIN_SEEDS:
+        return "comparable" if within else ("better" if gap < 0 else "worse")
+    multiple = abs(gap) / band if band else math.inf
+    sign = "" if within else (", lower" if gap < 0 else ", higher")
+    return f"inconclusive ({multiple:.1f}x {noun}{sign})"
+
+
+def fewest_seeds(chosen: list[dict], every: list[dict], labels: tuple[str, ...]) -> int:
+    """The fewest seeds any chosen point's arm was run with: the points of `every` that
+    share its `labels` (all but the seed)."""
+    runs = [sum(all(q.get(k) == p.get(k) for k in labels) for q in every) for p in chosen]
+    return min(runs, default=0)
+
+
+def reading_note(points: list[dict], seeds: int) -> str:
+    """What a report's steps and gaps can carry: the evaluation intervals of the `points`'
+    curves (a steps count is exact only to its interval) and the seeds per arm (with fewer
+    than MIN_SEEDS a gap between arms is a direction, not a verdict)."""
+    intervals = set()
+    for p in points:
+        steps = [step for step, _ in p["curve"]]
+        intervals |= {b - a for a, b in zip(steps, steps[1:], strict=False)}
+    every = ", ".join(map(str, sorted(intervals))) or "-"
+    note = f"Steps to a target are exact to the evaluation interval (every {every} steps)."
+    if seeds < MIN_SEEDS:
+        note += (
+            f" {'One seed' if seeds == 1 else f'{seeds} seeds'} per arm: a gap between arms "
+            f"is a direction, not a verdict, until {MIN_SEEDS} seeds give it a spread."
+        )
+    return note
 
 
 def cumulative_times(log_steps: list[int], step_times: list[tuple[int, float]]) -> dict:

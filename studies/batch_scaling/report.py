@@ -14,7 +14,8 @@ square-root rule, and the arms are read off them by a rule fixed before the runs
 "best" is the fewest steps to the target eval MLM loss, then the lower final loss (a trial
 that never reaches the target counts as infinitely many steps). Steps to the target are
 the first evaluation step whose eval MLM loss is at or below it (evaluations come every
-1/evals_per_trial of the run, so a count is exact to that interval).
+1/evals_per_trial of the run, so a count is exact to that interval, and the speed-up table
+gives the range of each ratio that the intervals allow).
 
 Written into DIR: the study's section of report.md (a table per arm and batch size, the
 noise band of the repeated seeds, the other targets), steps_to_target.png (log-log, one
@@ -45,6 +46,7 @@ def points(directory: str, trials: dict, target: float) -> list[dict]:
                 "learning_rate": trial["overrides"].get("phases.phase1.learning_rate"),
                 "num_steps": trial["overrides"].get("phases.phase1.num_steps"),
                 "steps": steps_to_target(curve, target),
+                "bracket": curves.target_bracket(curve, target),
                 "final": curve[-1][1] if curve else None,
                 "done": trial.get("status") == "finished",
                 "status": trial.get("status", ""),
@@ -127,7 +129,9 @@ def study_report(directory: str, trials: dict, study: dict) -> str:
         "",
         arm_table(chosen, batch_sizes, study["multipliers"]),
         "",
-        "Speed-up in steps to the target from each doubling of the batch (2.00 = perfect scaling):",
+        "Speed-up in steps to the target from each doubling of the batch (2.00 = perfect "
+        "scaling; in brackets the range the evaluation intervals allow, since a count is "
+        "exact only to its trial's interval, 1/evals_per_trial of its steps):",
         "",
         speedup_table(chosen, batch_sizes),
         "",
@@ -185,6 +189,8 @@ def arm_table(chosen: dict, batch_sizes: list[int], multipliers=None) -> str:
 
 
 def speedup_table(chosen: dict, batch_sizes: list[int]) -> str:
+    """Steps at one batch over steps at the next, and in brackets the range the two
+    evaluation intervals allow (each count is exact only to its trial's interval)."""
     pairs = list(zip(batch_sizes, batch_sizes[1:], strict=False))
     header = ["optimizer", "arm", *(f"{a}->{b}" for a, b in pairs)]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
@@ -193,7 +199,11 @@ def speedup_table(chosen: dict, batch_sizes: list[int]) -> str:
         for a, b in pairs:
             pa, pb = by_batch.get(a), by_batch.get(b)
             if pa and pb and pa["steps"] and pb["steps"]:
-                cells.append(f"{pa['steps'] / pb['steps']:.2f}")
+                cell = f"{pa['steps'] / pb['steps']:.2f}"
+                if pa.get("bracket") and pb.get("bracket"):
+                    low, high = curves.ratio_range(pa["bracket"], pb["bracket"])
+                    cell += f" ({low:.2f}-{high:.2f})"
+                cells.append(cell)
             else:
                 cells.append("")
         lines.append(f"| {optimizer} | {arm} | " + " | ".join(cells) + " |")

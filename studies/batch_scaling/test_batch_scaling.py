@@ -100,6 +100,19 @@ def test_the_arms_follow_the_rule_fixed_before_the_runs():
     assert check.endswith("best lr_x 1.0 (NOT the declared base, lr_x 0.5)"), check
 
 
+def test_a_speed_up_carries_the_range_its_evaluation_intervals_allow():
+    # The CPU run's LAMB: 192 steps read every 32 at batch 32, 144 every 16 at 64, 120
+    # every 8 at 128: 1.33 may be anything from 160 / 144 to 192 / 128.
+    by_batch = {
+        32: dict(point("lamb", 32, 1.0, 192, 5.16), bracket=(160, 192)),
+        64: dict(point("lamb", 64, 1.0, 144, 5.33), bracket=(128, 144)),
+        128: dict(point("lamb", 128, 1.0, 120, 5.57), bracket=(112, 120)),
+        256: point("lamb", 256, 1.0, None, 5.66),
+    }
+    table = batch_scaling.speedup_table({("lamb", "sqrt rule"): by_batch}, [32, 64, 128, 256])
+    assert "| lamb | sqrt rule | 1.33 (1.11-1.50) | 1.20 (1.07-1.29) |  |" in table
+
+
 def test_the_report_answers_from_the_smallest_forms_trials(tmp_path):
     # The smallest form's sweep with made-up curves (no training), reported as `report DIR`
     # reports it: through the module the study names. Batch 8 evaluates at steps 1 and 2,

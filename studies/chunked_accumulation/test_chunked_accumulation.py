@@ -85,25 +85,41 @@ def record(arm, seed, final):
 @pytest.mark.parametrize(
     "naive, chunked, expected",
     [
-        (5.70, 5.61, "**The claim holds here**"),
-        (5.61, 5.60, "**Not confirmed here**: naive accumulation trains as well as float32"),
+        (5.70, 5.61, "**The claim's pattern appears here**"),
+        (5.61, 5.60, "**Cannot test the claim at this size**: naive accumulation ends within"),
         (5.70, 5.70, "**Not confirmed here**: chunks of 64 do not recover float32"),
     ],
 )
 def test_the_verdict_follows_the_rule_fixed_before_the_runs(naive, chunked, expected):
-    study = {"baseline": "float32", "tolerance": 0.02}
+    study = {
+        "baseline": "float32",
+        "tolerance": 0.02,
+        "arms": {"naive": "e6m9:operands=float8_e5m2"},
+        "vrr": {"length": 8192},
+        "tokens_per_weight_gradient": 4096,
+    }
     records = [
         record("float32", 0, 5.60),
         record("naive", 0, naive),
         record("chunk64", 0, chunked),
         record("float32", 1, 5.90),
     ]
-    assert chunked_accumulation.verdict(records, study).startswith(expected)
-    assert "spread 0.3000" in chunked_accumulation.noise(records, study)
     rows = [
         {"mantissa_bits": m, "naive_measured": v}
-        for m, v in ((4, 0.5), (6, 0.995), (7, 0.98), (8, 0.999))
+        for m, v in ((4, 0.5), (6, 0.995), (7, 0.98), (8, 0.999), (9, 0.9993))
     ]
+    retention = chunked_accumulation.naive_retention(rows, study)
+    assert retention == 0.9993  # the naive arm's accumulator: 9 mantissa bits
+    text = chunked_accumulation.verdict(records, study, retention)
+    assert text.startswith(expected)
+    if naive < 5.62:  # within the tolerance: why no outcome could differ, not "no"
+        assert "keeps 0.9993 of its variance at 8,192 terms" in text
+        # Where the accumulator does lose variance, a match is a finding: not confirmed.
+        lossy = chunked_accumulation.verdict(records, study, 0.34)
+        assert lossy.startswith("**Not confirmed here**: naive accumulation trains as well")
+    else:  # one seed per arm: a direction only
+        assert "One seed per arm" in text
+    assert "spread 0.3000" in chunked_accumulation.noise(records, study)
     assert chunked_accumulation.needed_mantissa(rows, "naive_measured") == 8
 
 
@@ -126,7 +142,7 @@ def test_the_report_answers_from_the_smallest_forms_trials(tmp_path):
     for arm, loss in losses.items():
         gap = f"{loss - losses['float32']:+.4f}"
         assert f"| {arm} | 0 | `{study_module().ARMS[arm]}` | {loss:.4f} | {gap} |" in report
-    assert "**The claim holds here**" in report  # naive +0.1, chunk64 +0.01
+    assert "**The claim's pattern appears here**" in report  # naive +0.1, chunk64 +0.01
     # The variance sweep: both widths, each with measured and predicted ratios; 9 mantissa
     # bits keep everything, 3 bits naive lose some of it over 256 terms.
     rows = json.loads((tmp_path / "variance_retention.json").read_text())["rows"]

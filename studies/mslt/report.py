@@ -158,7 +158,8 @@ def stage_table(base: dict, rows: list[dict], study: dict) -> str:
 
 def study_report(directory: str, trials: dict, study: dict) -> str:
     """The study's Markdown section; writes its plots into `directory`."""
-    grid = [p for p in points(directory, trials) if p["seed"] == 0]
+    every = points(directory, trials)
+    grid = [p for p in every if p["seed"] == 0]
     base = baseline(grid)
     lines = ["## MSLT's design choices: steps and time to the baseline's best held-out loss", ""]
     if base is None:
@@ -175,6 +176,10 @@ def study_report(directory: str, trials: dict, study: dict) -> str:
         "the target over the arm's.",
         "",
         comparison_table(base, rows, target, study),
+        "",
+        curves.reading_note(
+            [base, *rows], curves.fewest_seeds([base, *rows], every, ("arm", "lr"))
+        ),
         "",
         f"The paper's claim: more than 110% speed-up ({study['paper_speedup']}x) without "
         "significant degradation.",

@@ -152,3 +152,8 @@ def test_the_report_answers_from_the_smallest_forms_trials(tmp_path):
         "| decoder trained | 0.01 | 6 | 0.67x | 0.3 s | 1.33x | 50 ms | 6.4000 | 6.6000 | 6.4000 |"
         in report
     )
+    # Every reading says how fine its steps are and that one seed gives no verdict.
+    assert (
+        "Steps to a target are exact to the evaluation interval (every 2 steps). One seed per "
+        "arm: a gap between arms is a direction, not a verdict" in report
+    )

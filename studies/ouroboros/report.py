@@ -5,10 +5,15 @@ The trials are labelled (modules, replay, warmup, seed). The rule, fixed by the 
 before its runs:
 
   baseline   the K = 1 trial of seed 0;
-  tolerance  the gap between the two K = 1 seeds (seed 0 and the study's `noise_seed`):
-             in final held-out MLM loss for the final loss, in best for the best;
+  tolerance  the spread of the K = 1 seeds (seed 0 and the study's `noise_seed`: their
+             gap), in final held-out MLM loss for the final loss, in best for the best;
   verdict    an arm is comparable where its gap to the baseline is within the tolerance,
              better where it is lower by more, worse where it is higher by more.
+
+The verdict is read as studies.curves.seed_verdict reads it: from fewer than
+curves.MIN_SEEDS K = 1 seeds the tolerance is one sample of the seed's effect (which also
+moves with the held-out set's masks), so every gap is reported as `inconclusive`, with its
+size in tolerances, not as better, worse or comparable.
 
 Written into DIR: the study's section of report.md and ouroboros_loss_vs_steps.png (the
 held-out loss of every trial against the step; the last half of the run on its own panel).
@@ -47,20 +52,26 @@ def baselines(grid: list[dict], noise_seed: int) -> tuple[dict | None, dict | No
     return synchronous.get(0), synchronous.get(noise_seed)
 
 
-def tolerances(base: dict, noise: dict | None) -> dict:
-    """{'final': .., 'best': ..}: the two K = 1 seeds' gap in each (nan without both)."""
-    if noise is None:
+def synchronous_seeds(grid: list[dict]) -> list[dict]:
+    """The K = 1 trials with a held-out loss, one per seed."""
+    return [p for p in grid if p["modules"] == 1 and p["curve"]]
+
+
+def tolerances(synchronous: list[dict]) -> dict:
+    """{'final': .., 'best': ..}: the spread (largest minus smallest) of the K = 1 seeds in
+    each; nan with fewer than two."""
+    if len(synchronous) < 2:
         return {"final": math.nan, "best": math.nan}
-    return {key: abs(noise[key] - base[key]) for key in ("final", "best")}
+    return {
+        key: max(p[key] for p in synchronous) - min(p[key] for p in synchronous)
+        for key in ("final", "best")
+    }
 
 
-def verdict(gap: float, tolerance: float) -> str:
-    """`better`, `comparable` or `worse` by the study's rule; `-` where either is unknown."""
-    if not (math.isfinite(gap) and math.isfinite(tolerance)):
-        return "-"
-    if abs(gap) <= tolerance:
-        return "comparable"
-    return "better" if gap < 0 else "worse"
+def verdict(gap: float, tolerance: float, seeds: int) -> str:
+    """The gap against the K = 1 seeds' spread (`seeds` of them), as
+    curves.seed_verdict reads it; `-` where either is unknown."""
+    return curves.seed_verdict(gap, tolerance, seeds, noun="the seed gap")
 
 
 def arm_name(point: dict) -> str:
@@ -70,7 +81,7 @@ def arm_name(point: dict) -> str:
     return f"K = {point['modules']}, {point['replay']}{warm}"
 
 
-def comparison_table(grid: list[dict], base: dict, tolerance: dict) -> str:
+def comparison_table(grid: list[dict], base: dict, tolerance: dict, seeds: int) -> str:
     header = [
         "arm",
         "final loss",
@@ -87,12 +98,23 @@ def comparison_table(grid: list[dict], base: dict, tolerance: dict) -> str:
         for key in ("final", "best"):
             gap = p[key] - base[key]
             cells += [number(p[key], ".4f"), number(gap, "+.4f")]
-            cells.append("baseline" if p is base else verdict(gap, tolerance[key]))
+            cells.append("baseline" if p is base else verdict(gap, tolerance[key], seeds))
         cells.append(
             number(1000 * p["step_time"], ".0f") + (" ms" if math.isfinite(p["step_time"]) else "")
         )
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+def seeds_note(seeds: int) -> str:
+    """What the tolerance can carry, by the number of K = 1 seeds behind it."""
+    if seeds >= curves.MIN_SEEDS:
+        return "An arm beyond the tolerance reads better or worse, within it comparable."
+    return (
+        f"From {seeds} K = 1 seed{'s' if seeds != 1 else ''} the tolerance is one sample of "
+        f"the seed's effect, so no arm reads better, worse or comparable (that needs "
+        f"{curves.MIN_SEEDS} seeds): each gap is given as a multiple of it."
+    )
 
 
 def curve_table(grid: list[dict]) -> str:
@@ -109,20 +131,22 @@ def curve_table(grid: list[dict]) -> str:
 def study_report(directory: str, trials: dict, study: dict) -> str:
     """The study's Markdown section; writes its plot into `directory`."""
     grid = points(directory, trials)
-    base, noise = baselines(grid, study["noise_seed"])
+    base, _ = baselines(grid, study["noise_seed"])
     lines = ["## Ouroboros against ordinary backpropagation: held-out MLM loss", ""]
     if base is None or not base["curve"]:
         return "\n".join([*lines, "The K = 1 baseline (seed 0) has no held-out loss yet."])
-    tolerance = tolerances(base, noise)
+    synchronous = synchronous_seeds(grid)
+    tolerance = tolerances(synchronous)
     lines += [
         f"Every trial {study['num_steps']:,} steps with the same schedule (the rate decays to "
         f"0 at the last step) on {study['devices']} devices; K = {study['modules']} on "
         f"{study['modules'] - 1} pipeline stages. Baseline: K = 1, seed 0. Tolerance (the "
-        f"two K = 1 seeds' gap): {number(tolerance['final'], '.4f')} in final, "
-        f"{number(tolerance['best'], '.4f')} in best held-out MLM loss. Step time: the median "
-        "logged step (fake devices sharing the host's cores: not a speed measurement).",
+        f"spread of the {len(synchronous)} K = 1 seeds): {number(tolerance['final'], '.4f')} "
+        f"in final, {number(tolerance['best'], '.4f')} in best held-out MLM loss. "
+        f"{seeds_note(len(synchronous))} Step time: the median logged step (fake devices "
+        "sharing the host's cores: not a speed measurement).",
         "",
-        comparison_table(grid, base, tolerance),
+        comparison_table(grid, base, tolerance, len(synchronous)),
         "",
         "The paper's claim: comparable or better accuracy than ordinary backpropagation.",
         "",

@@ -92,10 +92,27 @@ def test_the_report_reads_each_arm_against_the_k1_seed_gap():
     ]
     base, noise = ouroboros.baselines(grid, 1)
     assert (base["seed"], noise["seed"]) == (0, 1)
-    tolerance = ouroboros.tolerances(base, noise)
+    synchronous = ouroboros.synchronous_seeds(grid)
+    tolerance = ouroboros.tolerances(synchronous)
     assert tolerance == {"final": pytest.approx(0.02), "best": pytest.approx(0.01)}
-    table = ouroboros.comparison_table(grid, base, tolerance)
+    # Two seeds are one sample of the seed's effect: every gap is inconclusive, with its
+    # size in tolerances and its sign.
+    table = ouroboros.comparison_table(grid, base, tolerance, len(synchronous))
     assert "| K = 1, seed 0 | 5.5200 | +0.0000 | baseline | 5.5000 | +0.0000 | baseline |" in table
+    assert (
+        "| K = 4, stale | 5.5350 | +0.0150 | inconclusive (0.8x the seed gap) | 5.5100 | "
+        "+0.0100 | inconclusive (1.0x the seed gap) |"
+    ) in table
+    assert (
+        "| K = 4, current | 5.4500 | -0.0700 | inconclusive (3.5x the seed gap, lower) | "
+        "5.4500 | -0.0500 | inconclusive (5.0x the seed gap, lower) |"
+    ) in table
+    assert "+0.0800 | inconclusive (4.0x the seed gap, higher) |" in table
+    # A third seed inside the same spread: now the rule fixed first reads each arm.
+    grid.append(point(1, "none", 0, 2, [(10, 6.1), (20, 5.505), (30, 5.53)]))
+    synchronous = ouroboros.synchronous_seeds(grid)
+    assert ouroboros.tolerances(synchronous) == tolerance
+    table = ouroboros.comparison_table(grid, base, tolerance, len(synchronous))
     assert "| K = 4, stale | 5.5350 | +0.0150 | comparable | 5.5100 | +0.0100 | comparable |" in (
         table
     )
@@ -105,8 +122,9 @@ def test_the_report_reads_each_arm_against_the_k1_seed_gap():
         "+0.1000 | worse |"
     ) in table
     # Without the second seed there is no tolerance, so no verdict.
-    assert ouroboros.verdict(0.01, ouroboros.tolerances(base, None)["final"]) == "-"
-    assert ouroboros.verdict(math.nan, 0.1) == "-"
+    assert all(math.isnan(v) for v in ouroboros.tolerances([base]).values())
+    assert ouroboros.verdict(0.01, math.nan, 1) == "-"
+    assert ouroboros.verdict(math.nan, 0.1, 3) == "-"
 
 
 def test_the_report_answers_from_the_smallest_forms_trials(tmp_path):
@@ -125,7 +143,9 @@ def test_the_report_answers_from_the_smallest_forms_trials(tmp_path):
     report = sweep_report.write_report(str(tmp_path))
     assert "## Ouroboros against ordinary backpropagation" in report
     assert (tmp_path / "ouroboros_loss_vs_steps.png").stat().st_size > 1000
-    # The tolerance is the two K = 1 seeds' gap; K = 4 ends 0.1 above the baseline.
-    assert "Tolerance (the two K = 1 seeds' gap): 0.0200 in final" in report
-    verdict = ouroboros.verdict(0.1, 0.02)
+    # The tolerance is the two K = 1 seeds' gap; K = 4 ends 0.1 above the baseline, five
+    # times it, which two seeds cannot call worse.
+    assert "Tolerance (the spread of the 2 K = 1 seeds): 0.0200 in final" in report
+    verdict = ouroboros.verdict(0.1, 0.02, 2)
+    assert verdict == "inconclusive (5.0x the seed gap, higher)"
     assert f"| K = 4, current, 2 synchronous steps first | 6.6000 | +0.1000 | {verdict} |" in report

@@ -167,6 +167,13 @@ def seed_table(every: list[dict]) -> str | None:
     return "\n".join(lines)
 
 
+def reading_note(every: list[dict], base: dict, rows: list[tuple[str, dict]]) -> str:
+    """The evaluation interval and the seeds behind the table (curves.reading_note)."""
+    chosen = [base, *(p for _, p in rows)]
+    seeds = curves.fewest_seeds(chosen, every, ("arm", "gamma", "lr"))
+    return curves.reading_note(chosen, seeds)
+
+
 def timing_note(timed: dict | None) -> str:
     """Where the step times come from."""
     if timed is None:
@@ -201,6 +208,8 @@ def study_report(directory: str, trials: dict, study: dict) -> str:
         "steps.",
         "",
         comparison_table(base, rows, target),
+        "",
+        reading_note(every, base, rows),
         "",
         f"The paper's claim: PLD reaches its PostLN baseline's downstream accuracy "
         f"{study['paper_speedup']}x faster.",

@@ -238,3 +238,8 @@ def test_the_report_answers_from_the_smallest_forms_trials(tmp_path):
     assert "Target: the PostLN baseline's best held-out MLM loss, 6.5000" in report
     assert "| PreLN + PLD, gamma 100/T, best lr | 0.002 | 2 | 2.00x | 0.2 s | 2.50x |" in report
     assert "the median logged step" in report  # no step_times.json here
+    # Every reading says how fine its steps are and that one seed gives no verdict.
+    assert (
+        "Steps to a target are exact to the evaluation interval (every 2 steps). One seed per "
+        "arm: a gap between arms is a direction, not a verdict" in report
+    )

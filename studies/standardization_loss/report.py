@@ -151,7 +151,8 @@ def grid_table(grid: list[dict], target: float, weights, sites) -> str:
 
 def study_report(directory: str, trials: dict, study: dict) -> str:
     """The study's Markdown section; writes its plots into `directory`."""
-    every = [p for p in points(directory, trials) if p["seed"] == 0]
+    all_seeds = points(directory, trials)
+    every = [p for p in all_seeds if p["seed"] == 0]
     lines = [
         "## The standardization loss against LayerNorm and no normalization: steps and "
         "time to LayerNorm's best held-out loss",
@@ -177,6 +178,13 @@ def study_report(directory: str, trials: dict, study: dict) -> str:
             "logged.",
             "",
             comparison_table(rows, target, second, study["paper_steps"]),
+            "",
+            curves.reading_note(
+                [p for _, p in rows],
+                curves.fewest_seeds(
+                    [p for _, p in rows], all_seeds, ("optimizer", "arm", "weight")
+                ),
+            ),
             "",
             "Every weight (steps to the target / best held-out MLM loss):",
             "",

@@ -154,3 +154,8 @@ def test_the_report_answers_from_the_smallest_forms_trials(tmp_path):
     assert "Target: the LayerNorm trial's best held-out MLM loss, 6.5000" in report
     assert "| std loss, pre-activations | 0.01 | 2 | 0.50 |" in report
     assert "| 90 -> 60 |" in report
+    # Every reading says how fine its steps are and that one seed gives no verdict.
+    assert (
+        "Steps to a target are exact to the evaluation interval (every 2 steps). One seed per "
+        "arm: a gap between arms is a direction, not a verdict" in report
+    )
