@@ -25,6 +25,7 @@ from collections.abc import Mapping
 
 import ml_collections
 
+from lambjax import data as data_lib
 from lambjax import sharding
 from lambjax.data import packing as packing_lib
 from lambjax.models import standardization
@@ -145,6 +146,7 @@ class RunPlan:
 def resolve(config, *, vocab_size: int, num_devices: int, process_count: int = 1) -> RunPlan:
     """The run plan of `config`, checked; raises ConfigError naming the first bad field."""
     plan_checks.check_run(config, process_count)
+    plan_checks.run_checks(lambda: data_lib.check_config(config.data))
     method = method_lib.load(config.step_method)
     plan_checks.run_checks(  # the variants' own settings, before the phase plans hold them
         lambda: layer_drop.check_settings(config.layer_drop),
@@ -198,6 +200,22 @@ def resolve(config, *, vocab_size: int, num_devices: int, process_count: int = 1
         peak_flops_per_device=config.peak_flops_per_device,
         profile=config.profile,
         config_json=config.to_json_best_effort(),
+    )
+
+
+# What `check` gives the model for the vocabulary's size, which no check depends on.
+_VOCAB_SIZE_STAND_IN = 8
+
+
+def check(config, *, num_devices: int, process_count: int = 1) -> None:
+    """Every check of `resolve`, before the vocabulary exists (a run's first step, before
+    any data or vocabulary work): the plan takes only the model's vocabulary size from the
+    data, and no check depends on it."""
+    resolve(
+        config,
+        vocab_size=_VOCAB_SIZE_STAND_IN,
+        num_devices=num_devices,
+        process_count=process_count,
     )
 
 
@@ -296,7 +314,9 @@ def _overrides(fields: ml_collections.ConfigDict) -> dict:
 
 def _optimizer(config, name: str) -> OptimizerPlan:
     """The top-level optimizer with the phase's overrides applied."""
-    merged = {**config.optimizer.to_dict(), **_overrides(config.phases[name].optimizer)}
+    overrides = _overrides(config.phases[name].optimizer)
+    plan_checks.check_optimizer(overrides, f"config.phases.{name}.optimizer")
+    merged = {**config.optimizer.to_dict(), **overrides}
     if merged["name"] not in OPTIMIZERS:
         raise ConfigError(
             f"optimizer name {merged['name']!r} (config.phases.{name}); valid: {OPTIMIZERS}"

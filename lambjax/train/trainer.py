@@ -64,19 +64,17 @@ def compile_steps(phase: Phase) -> loop.CompiledSteps:
 def train_and_evaluate(config, workdir: str) -> dict:
     """Runs the remaining phases; returns the last phase's final evaluation metrics."""
     workdir = storage.resolve(workdir)
+    devices = dict(num_devices=jax.device_count(), process_count=jax.process_count())
+    plan_lib.check(config, **devices)  # before anything is written
     workdir_lib.check(config.to_json_best_effort(), workdir)
     console.log_to_file(workdir, console.process_log_name("train", jax.process_index()))
     for flag, path in data_lib.paths(config.data):
         storage.check_reachable(path, flag)
     vocabulary = phases.prepare_vocabulary(config.data)
-    run_plan = plan_lib.resolve(
-        config,
-        vocab_size=vocabulary.size,
-        num_devices=jax.device_count(),
-        process_count=jax.process_count(),
-    )
+    run_plan = plan_lib.resolve(config, vocab_size=vocabulary.size, **devices)
     phases.check_platform(run_plan)
     datasets = phases.prepare_data(run_plan)
+    phases.check_data(run_plan, datasets)
     writer = metrics_lib.create_writer(workdir)
     stop = distributed.StopRequest()
     results = []
