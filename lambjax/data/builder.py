@@ -140,7 +140,9 @@ def prepare_all(
 
 
 def summary_line(summary, data_dir: str) -> str:
-    skipped = ", ".join(f"{n} {reason}" for reason, n in sorted(summary.skipped.items()))
+    counts = sorted(summary.skipped.items())
+    skipped = ", ".join(f"{n} {reason}" for reason, n in counts if reason not in sources.REPAIRS)
+    repaired = ", ".join(f"{n} {reason}" for reason, n in counts if reason in sources.REPAIRS)
     per_seq = "; ".join(
         f"seq {seq}: " + ", ".join(f"{n} {split}" for split, n in counts.items())
         for seq, counts in sorted(summary.examples.items())
@@ -149,7 +151,8 @@ def summary_line(summary, data_dir: str) -> str:
     rate = summary.megabytes / max(summary.seconds, 1e-9)
     return (
         f"prepare: {summary.documents} documents from {summary.num_units} input shards"
-        f"{reused} (skipped: {skipped or 'none'}); examples {per_seq}; "
+        f"{reused} (skipped: {skipped or 'none'}{'; repaired: ' + repaired if repaired else ''}); "
+        f"examples {per_seq}; "
         f"{summary.megabytes:.1f} MB in {summary.seconds:.0f} s ({rate:.2f} MB/s); "
         f"wrote {epath.Path(data_dir) / 'pretraining_examples'}"
     )
