@@ -26,7 +26,9 @@ def describe(interval: str, *, integer: bool = False) -> str:
     """What `check` asks of a value, in words: "lie in (0, 1]", "be a number > 0"."""
     low, high, low_open, high_open = _parse(interval)
     kind = "an integer" if integer else "a number"
-    if high == math.inf and not (low == -math.inf):
+    if (low, high, low_open, high_open) == (-math.inf, math.inf, True, True):
+        return f"be {'a finite number' if not integer else kind}"
+    if high == math.inf and low > -math.inf:
         bound = f"{'>' if low_open else '>='} {_number(low)}"
         if not high_open:
             return f"be {kind} {bound} (inf included)"
