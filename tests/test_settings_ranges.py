@@ -66,9 +66,7 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize(
-    "group, field, value, valid", CASES, ids=[f"{c[1]}={c[2]}" for c in CASES]
-)
+@pytest.mark.parametrize("group, field, value, valid", CASES, ids=[f"{c[1]}={c[2]}" for c in CASES])
 def test_the_plan_refuses_a_value_out_of_range(group, field, value, valid):
     config = demo()
     group(config)[field] = value
@@ -158,7 +156,7 @@ def test_commands_refuse_bad_settings_before_any_work(tmp_path):
     codes, errors = run_cases(tmp_path, [(module, args) for module, args, _ in cases])
     for (module, args, expected), code, stderr in zip(cases, codes, errors, strict=True):
         lines = [line for line in stderr.splitlines() if ": error: " in line]
-        assert code == 2 and "Traceback" not in stderr, (args[-1], code, stderr[-2000:])
+        assert code == 2 and "Traceback" not in stderr, (module, args[-1], stderr[-2000:])
         assert len(lines) == 1 and expected in lines[0], (args[-1], lines)
     assert not workdir.exists() and not data_dir.exists()
 
