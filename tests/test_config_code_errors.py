@@ -37,6 +37,7 @@ def files(tmp_path):
     return paths
 
 
+@pytest.mark.slow
 def test_config_code_errors_end_in_one_line(tmp_path, files):
     workdir = f"--workdir={tmp_path / 'run'}"
     cases = [
@@ -60,6 +61,7 @@ def test_config_code_errors_end_in_one_line(tmp_path, files):
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.slow
 def test_verbosity_prints_the_traceback_then_the_line(tmp_path, files):
     args = [f"--config={files['raises']}", f"--workdir={tmp_path / 'run'}", "--verbosity=1"]
     (code,), (stderr,) = run_cases(tmp_path, [("lambjax.main", args)])

@@ -138,6 +138,7 @@ def test_ranges_check_intervals(interval, good, bad):
         ranges.check("flag", True, "[0, inf)")  # a bool is not a number here
 
 
+@pytest.mark.slow
 def test_commands_refuse_bad_settings_before_any_work(tmp_path):
     """As users run them: exit 2, one line naming the field and value, nothing written."""
     workdir, data_dir = tmp_path / "run", tmp_path / "data"
