@@ -5,15 +5,18 @@ ml_collections config (and the size of the vocabulary the data uses) exactly onc
 it, and returns a `RunPlan`: the run's settings and, in `phases`, a `PhasePlan` per phase
 with everything the code below needs (model, optimizer and schedule, mesh, batch geometry,
 data options, the variants' settings). Nothing downstream reads the config again; growing
-from the previous phase reads `PhasePlan.previous`.
+from the previous phase reads `PhasePlan.previous`. `check(config, num_devices=...,
+process_count=...)` runs the same checks before the vocabulary exists, a run's first step.
 
 Checks live beside their feature and are collected here, in one pass, before anything is
 built: the run's and the phases' own fields in lambjax.train.plan_checks; progressive layer
 dropping in lambjax.train.layer_drop; multi-stage layerwise training in
 lambjax.train.layerwise; the standardization loss in lambjax.models.standardization; a step
 method's (`config.step_method`, lambjax.train.method) in its own module; packing in
-lambjax.data.packing; the PRNG implementation in lambjax.train.prng; the gradient's
-reduction in lambjax.train.reduction. Each raises `ConfigError` (a ValueError) naming the
+lambjax.data.packing; the data fields in lambjax.data.builder.check_config; the PRNG
+implementation in lambjax.train.prng; the gradient's reduction in lambjax.train.reduction.
+Numbers are checked against their interval (lambjax.ranges), so that NaN and inf are
+refused too. Each raises `ConfigError` (a ValueError) naming the
 field, the value and what would be valid.
 
 A plan is the same on any machine: what depends on the platform (the attention kernel, the
