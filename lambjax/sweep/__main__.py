@@ -58,18 +58,18 @@ def main(argv):
     if not hasattr(module, "get_sweep"):
         cli.fail(PROGRAM, f"--config={config_spec}: the file defines no get_sweep()")
     try:
-        trials = spec.trials(
-            _CONFIG.value, cli.call_config_function(module, "get_sweep", config_spec)
-        )
+        given = cli.call_config_function(module, "get_sweep", config_spec)
         study = None
         if hasattr(module, "get_study"):
             study = cli.call_config_function(module, "get_study", config_spec)
     except cli.ConfigCodeError as error:
         cli.fail_config_code(PROGRAM, error, flags.FLAGS.verbosity >= 1)
-    except spec.SweepError as error:
-        cli.fail(PROGRAM, f"--config={config_spec}: {error}")
-    except ValueError as error:  # call_config_function's message names the file
+    except ValueError as error:  # its message names the config file
         cli.fail(PROGRAM, str(error))
+    try:
+        trials = spec.trials(_CONFIG.value, given)
+    except (spec.SweepError, ValueError) as error:
+        cli.fail(PROGRAM, f"--config={config_spec}: {error}")
     base_flags = cli.config_overrides(sys.argv[1:])
     try:
         storage.check_reachable(_WORKDIR.value, "--workdir")
