@@ -3,6 +3,7 @@ its last finite checkpoint: no state saved after the loss went non-finite."""
 
 import os
 
+import jax.numpy as jnp
 import pytest
 
 from lambjax.train import trainer
@@ -35,3 +36,11 @@ def test_a_diverging_phase_stops_and_keeps_the_last_finite_checkpoint(tmp_path):
     losses = helpers.losses(str(workdir))
     assert all(v == v for step, v in losses.items() if step <= helpers.PHASE1_STEPS + 1)
     assert all(v != v for step, v in losses.items() if step > helpers.PHASE1_STEPS + 1)
+
+
+def test_params_finite_finds_one_bad_value_in_any_tensor():
+    params = {"a": jnp.ones((3, 4)), "b": {"c": jnp.zeros(5, jnp.bfloat16)}}
+    assert trainer.params_finite(params)
+    for bad in (jnp.nan, jnp.inf, -jnp.inf):
+        broken = {"a": params["a"], "b": {"c": params["b"]["c"].at[4].set(bad)}}
+        assert not trainer.params_finite(broken)
