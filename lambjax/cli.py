@@ -20,6 +20,7 @@ import difflib
 import importlib.util
 import os
 import sys
+import traceback
 from typing import NoReturn
 
 import ml_collections
@@ -31,9 +32,9 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "0")
 
 
-def fail(program: str, message: str) -> NoReturn:
+def fail(program: str, message: str, status: int = 2) -> NoReturn:
     print(f"{program}: error: {message}", file=sys.stderr)
-    sys.exit(2)
+    sys.exit(status)
 
 
 def define_run_flags(config_help: str, workdir_help: str):
@@ -79,11 +80,43 @@ def keep_data_with_run(config, workdir: str) -> None:
         config.data.data_dir = f"{storage.resolve(workdir).rstrip('/')}/data"
 
 
+class ConfigCodeError(ValueError):
+    """A config file's own code failed: importing it, or its get_config / get_sweep. The
+    message names the file and the exception; `details` is the traceback."""
+
+    def __init__(self, message: str, details: str):
+        super().__init__(message)
+        self.details = details
+
+
+def fail_config_code(program: str, error: ConfigCodeError, verbose: bool) -> NoReturn:
+    """The one line of a config file's failure; the traceback first where `verbose`."""
+    if verbose:
+        print(error.details, file=sys.stderr, end="")
+        fail(program, str(error))
+    fail(program, f"{error} (--verbosity=1 prints the traceback)")
+
+
+def verbose_flag(args: list[str]) -> bool:
+    """Whether absl's --verbosity (-v) in `args`, not yet parsed, asks for 1 or more."""
+    value = None
+    for index, arg in enumerate(args):
+        name, has_value, given = arg.lstrip("-").partition("=")
+        if arg.startswith("-") and name in ("v", "verbosity"):
+            value = given if has_value else (args[index + 1] if index + 1 < len(args) else None)
+    try:
+        return value is not None and int(value) >= 1
+    except ValueError:
+        return False
+
+
 def flags_parser(program: str, config_flag: str = "config"):
     def parse(argv: list[str]) -> list[str]:
         try:
             check_config_flags(argv[1:], config_flag)
             return flags.FLAGS(argv)
+        except ConfigCodeError as error:
+            fail_config_code(program, error, verbose_flag(argv[1:]))
         except (flags.Error, ValueError) as error:
             fail(program, str(error).strip().splitlines()[0])
 
@@ -119,10 +152,29 @@ def config_overrides(args: list[str], name: str = "config") -> list[str]:
 def load_config(spec: str, name: str = "config") -> ml_collections.ConfigDict:
     """`get_config(ARG)` of the file in `FILE[:ARG]`, as ml_collections' config flag calls it."""
     module, arg = load_module(spec, name)
+    return call_config_function(module, "get_config", spec, name)
+
+
+def call_config_function(module, function: str, spec: str, name: str = "config"):
+    """`module.FUNCTION(ARG)` of `FILE[:ARG]` (FUNCTION() without ARG). Its ValueError is a
+    message for the user (e.g. an unknown variant); any other exception is a fault in the
+    file's code: ConfigCodeError naming the file, the call and the exception."""
+    arg = spec.partition(":")[2]
     try:
-        return module.get_config(arg) if arg else module.get_config()
+        return getattr(module, function)(arg) if arg else getattr(module, function)()
     except ValueError as error:
         raise ValueError(f"--{name}={spec}: {error}") from error
+    except Exception as error:  # noqa: BLE001 - whatever the user's code raises
+        call = f"{function}({arg!r})" if arg else f"{function}()"
+        raise ConfigCodeError(
+            f"--{name}={spec}: {call} raised {_exception_line(error)}",
+            traceback.format_exc(),
+        ) from None
+
+
+def _exception_line(error: BaseException) -> str:
+    text = str(error).strip()
+    return f"{type(error).__name__}: {text.splitlines()[0]}" if text else type(error).__name__
 
 
 def load_module(spec: str, name: str = "config"):
@@ -147,6 +199,11 @@ def load_module(spec: str, name: str = "config"):
         reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         raise ValueError(
             f"--{name}={spec}: {path} is not a readable Python file ({reason})"
+        ) from None
+    except Exception as error:  # noqa: BLE001 - the file's code failed (e.g. an ImportError)
+        raise ConfigCodeError(
+            f"--{name}={spec}: importing {path} raised {_exception_line(error)}",
+            traceback.format_exc(),
         ) from None
     if not hasattr(module, "get_config"):
         raise ValueError(f"--{name}={spec}: {path} defines no get_config()")

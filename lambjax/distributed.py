@@ -156,15 +156,21 @@ class StopRequest:
 
         self._multi_process = jax.process_count() > 1
         self._signalled = False
+        self._announced = False
         if not self._multi_process:
             signal.signal(signal.SIGTERM, self._on_sigterm)
 
     def _on_sigterm(self, signum, frame):
-        logging.warning("SIGTERM received: saving at the next step boundary, then exiting.")
+        # Only a flag. The handler runs between two bytecodes of the main thread, which may
+        # be inside a write to the log file: logging from here writes to that file again
+        # (a reentrant call, which fails). The loop says it, in `requested`.
         self._signalled = True
 
     def requested(self, step: int) -> bool:
         if not self._multi_process:
+            if self._signalled and not self._announced:
+                self._announced = True
+                logging.warning("SIGTERM received: saving at step %d, then exiting.", step)
             return self._signalled
         from jax.experimental import multihost_utils
 

@@ -36,7 +36,6 @@ def main(argv):
         DataError,
         MissingPhaseCheckpoint,
         storage.StorageError,
-        trainer.TrainingStopped,
         WorkdirError,
     )
 
@@ -53,6 +52,8 @@ def main(argv):
         trainer.train_and_evaluate(_CONFIG.value, _WORKDIR.value)
     except user_errors as error:  # one line (per differing field), not a traceback
         cli.fail("lambjax", str(error))
+    except trainer.TrainingStopped as error:  # the loss diverged: one line, its own status
+        cli.fail("lambjax", str(error), trainer.DIVERGED_STATUS)
 
 
 if __name__ == "__main__":

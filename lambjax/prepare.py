@@ -69,6 +69,7 @@ def main(argv):
         cli.fail(PROGRAM, str(error))
     try:
         beam_build.pipeline_options(_BEAM_OPTIONS.value, num_units=1)  # fail before any work
+        data.check_config(config.data)
         console.log_to_file(data_dir, "prepare.log")
     except data.DataError as error:
         cli.fail(PROGRAM, str(error))

@@ -43,6 +43,12 @@ def inputs(tmp_path_factory) -> dict[str, str]:
         "hf/config.json": b'{"hidden_size": 128, "num_hidden_lay',
         "hf/vocab.txt": LATIN_1,
         "sweep/sweep.json": b'{"config": "configs/default.py", "trials": {"a": {',
+        "raises.py": b"def get_config(arg=None):\n    return {}['missing']\n",
+        "get_sweep_raises.py": (
+            b"from lambjax.train import config\n\n"
+            b"def get_config(arg=None):\n    return config.base_config()\n\n"
+            b"def get_sweep(arg=None):\n    return 1 / 0\n"
+        ),
     }
     paths = {}
     for name, content in files.items():
@@ -104,6 +110,9 @@ def main_cases(inputs, root) -> list[tuple[list[str], str]]:
         (main(workdir=inputs["binary"]), "is a file"),
         (main(workdir=inputs["truncated_config"]), "config.json cannot be read"),
         ([f"--config={inputs['binary']}", "--workdir=x"], "is not a Python file"),
+        (main("--config.phases.phase1.learning_rate=nan"), "learning_rate=nan must be"),
+        (main("--config.data.masked_lm_prob=2.0"), "masked_lm_prob=2.0 must lie in (0, 1]"),
+        ([f"--config={inputs['raises.py']}", "--workdir=x"], "get_config() raised KeyError"),
     ]
 
 
@@ -118,6 +127,8 @@ def prepare_cases(inputs, root) -> list[tuple[list[str], str]]:
         (["--config=configs/default.py:runlocal"], "give --workdir=DIR"),
         (prepare("--beam_pipeline_options=runner=DataflowRunner"), "needs project=..."),
         ([f"--config={inputs['binary']}"], "is not a Python file"),
+        (prepare("--config.data.masked_lm_prob=2.0"), "masked_lm_prob=2.0 must lie in (0, 1]"),
+        ([f"--config={inputs['raises.py']}", "--workdir=x"], "get_config() raised KeyError"),
     ]
 
 
@@ -155,6 +166,8 @@ def finetune_cases(inputs, root) -> list[tuple[list[str], str]]:
         (squad(inputs["dev.json"], workdir=inputs["pretraining"]), "holds a pretraining run"),
         ([*sst2, "--config.init=scratch:tiny", f"--config.data.train={inputs['binary.tsv']}",
           f"--config.data.eval={inputs['sst2.tsv']}"], "binary.tsv"),
+        (squad(inputs["dev.json"], "--config.learning_rate=inf"), "learning_rate=inf must be"),
+        ([f"--config={inputs['raises.py']}", "--workdir=x"], "get_config() raised KeyError"),
     ]  # fmt: skip
 
 
@@ -166,6 +179,7 @@ def sweep_cases(inputs, root) -> list[tuple[list[str], str]]:
         (["--config=configs/default.py", f"--workdir={inputs['binary']}"], "--workdir"),
         (["--config=configs/finetune/squad.py", "--workdir=x"], "defines no get_sweep()"),
         (["--config=configs/default.py", "--workdir=x", "--parallel=0"], "--parallel=0"),
+        ([f"--config={inputs['get_sweep_raises.py']}", "--workdir=x"], "get_sweep() raised Zero"),
     ]
 
 

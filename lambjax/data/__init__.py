@@ -17,6 +17,7 @@ from lambjax.data.builder import (
     NotPrepared,
     Prepared,
     Vocabulary,
+    check_config,
     prepare,
     prepare_all,
     vocabulary,
@@ -67,6 +68,7 @@ def default_config() -> ml_collections.ConfigDict:
 
 __all__ = [
     "BatchIterator",
+    "check_config",
     "DataError",
     "NotPrepared",
     "Prepared",

@@ -25,6 +25,7 @@ import tensorflow_datasets as tfds
 from absl import logging
 from etils import epath
 
+from lambjax import ranges
 from lambjax.data import examples as examples_lib
 from lambjax.data import sources, tokenization
 from lambjax.data.sources import DataError
@@ -74,7 +75,7 @@ def vocabulary(data_config, *, data_dir: str | None = None, build: bool = True) 
     (trained now where missing; without `build`, NotPrepared)."""
     config = _as_dict(data_config)
     data_dir = os.fspath(data_dir or config.get("data_dir") or default_data_dir())
-    _check_config(config)
+    check_config(config)
     path = _vocab_path(config, data_dir)
     if config["vocab"] == "train" and not epath.Path(path).exists():
         if not build:
@@ -118,7 +119,7 @@ def prepare_all(
     raise NotPrepared. `on_summary(summary)` is called after a build."""
     config = _as_dict(data_config)
     data_dir = os.fspath(data_dir or config.get("data_dir") or default_data_dir())
-    _check_config(config)
+    check_config(config)
     seq_lengths = sorted(set(max_seq_lengths))
     found = _find(config, seq_lengths, data_dir)
     if found is not None:
@@ -139,7 +140,9 @@ def prepare_all(
 
 
 def summary_line(summary, data_dir: str) -> str:
-    skipped = ", ".join(f"{n} {reason}" for reason, n in sorted(summary.skipped.items()))
+    counts = sorted(summary.skipped.items())
+    skipped = ", ".join(f"{n} {reason}" for reason, n in counts if reason not in sources.REPAIRS)
+    repaired = ", ".join(f"{n} {reason}" for reason, n in counts if reason in sources.REPAIRS)
     per_seq = "; ".join(
         f"seq {seq}: " + ", ".join(f"{n} {split}" for split, n in counts.items())
         for seq, counts in sorted(summary.examples.items())
@@ -148,26 +151,32 @@ def summary_line(summary, data_dir: str) -> str:
     rate = summary.megabytes / max(summary.seconds, 1e-9)
     return (
         f"prepare: {summary.documents} documents from {summary.num_units} input shards"
-        f"{reused} (skipped: {skipped or 'none'}); examples {per_seq}; "
+        f"{reused} (skipped: {skipped or 'none'}{'; repaired: ' + repaired if repaired else ''}); "
+        f"examples {per_seq}; "
         f"{summary.megabytes:.1f} MB in {summary.seconds:.0f} s ({rate:.2f} MB/s); "
         f"wrote {epath.Path(data_dir) / 'pretraining_examples'}"
     )
 
 
-def _check_config(config: dict) -> None:
+def check_config(data_config) -> None:
+    """`config.data`'s own values (before any data or vocabulary work): DataError naming the
+    first bad field, its value and what would be valid."""
+    config = _as_dict(data_config)
     sources.check_source(config["source"])
-    if not 0 <= config["validation_fraction"] < 1:
-        raise DataError(
-            f"config.data.validation_fraction={config['validation_fraction']} must lie in [0, 1)"
-        )
-    if not 0 <= config["short_seq_prob"] <= 1:
-        raise DataError(f"config.data.short_seq_prob={config['short_seq_prob']} must lie in [0, 1]")
-    if not config["build_shard_mb"] > 0:
-        raise DataError(f"config.data.build_shard_mb={config['build_shard_mb']} must be > 0")
-    if config["vocab_sample_mb"] < 0:
-        raise DataError(
-            f"config.data.vocab_sample_mb={config['vocab_sample_mb']} must be >= 0 (0: all)"
-        )
+    fields = [
+        ("validation_fraction", "[0, 1)", False),
+        ("short_seq_prob", "[0, 1]", False),
+        ("masked_lm_prob", "(0, 1]", False),
+        ("build_shard_mb", "(0, inf)", False),
+        ("vocab_sample_mb", "[0, inf)", False),
+    ]
+    if config["vocab"] == "train":
+        fields.append(("vocab_size", "[1, inf)", True))
+    for name, interval, integer in fields:
+        try:
+            ranges.check(f"config.data.{name}", config[name], interval, integer=integer)
+        except ValueError as error:
+            raise DataError(str(error)) from None
 
 
 def _vocab_path(config: dict, data_dir: str) -> str:

@@ -88,6 +88,14 @@ def make_iterator(
         options=masking_options(prepared, max_predictions_per_seq),
         packing=packing,
     )
+    if num_epochs is None and reader.batches_per_epoch == 0:
+        # An epoch of no batch would end an endless iterator at once (StopIteration).
+        unit = "rows" if packing is not None else "examples"
+        raise DataError(
+            f"split {split!r} has {reader.num_units} {unit}, fewer than one global batch of "
+            f"{global_batch_size}; valid: a global batch of at most {reader.num_units}, or a "
+            "larger corpus"
+        )
     epochs = _UNBOUNDED_EPOCHS if num_epochs is None else num_epochs
     num_batches = reader.batches_per_epoch * epochs
 

@@ -3,20 +3,30 @@
 embedded          CPython's pydoc_data.topics (~465K characters of English; every Python
                   ships it, so the demo and tests run offline). One document per topic.
 text:GLOB         text files, local or gs://; documents are separated by blank lines.
+                  Files compressed with gzip, bzip2 or xz (by suffix .gz/.bz2/.xz, or by
+                  their first bytes) are read decompressed; CRLF (and a lone CR) reads as
+                  LF; bytes that are not UTF-8 read as U+FFFD and are counted (a file with
+                  more than 1% of them is not text, and is skipped); a line longer than
+                  MAX_LINE_CHARS is cut at spaces into pieces, each a document.
 tfds:NAME[:SPLIT] any TFDS dataset with a text feature (default split: train), read
                   through TFDS from its data dir (it must already be prepared there).
 
 The build works on `Unit`s, each read on its own by one worker (Google's
 create_pretraining_data runs once per input file, for the same reason): a text file is one
 unit, a file larger than `unit_bytes` is cut into byte ranges whose edges move forward to
-the next document boundary (the position after a blank line, "\\n\\n"), and a `tfds:` split
-is cut into record ranges of about `unit_bytes` of data. A unit owns the documents that
+the next document boundary (the position after a blank line, "\\n\\n"), a compressed file
+is one unit whatever its size (a compressed stream cannot be cut by byte range: a large
+corpus is best several compressed files), and a `tfds:` split is cut into record ranges of
+about `unit_bytes` of data. A unit owns the documents that
 start inside its range, so the units cover every document exactly once. Every path goes
 through etils' epath, which reads gs:// as well as local disk.
 """
 
+import bz2
 import dataclasses
+import gzip
 import hashlib
+import lzma
 import math
 import os
 import re
@@ -25,8 +35,25 @@ from absl import logging
 from etils import epath
 
 _GLOB_CHARS = re.compile(r"[*?\[]")
-_BOUNDARY = b"\n\n"
+_BOUNDARIES = (b"\n\n", b"\n\r\n")  # a blank line, LF or CRLF
 _READ_AHEAD = 1 << 16  # bytes read past a range's end to find the next boundary
+
+# A line longer than this is cut: about 4,000 WordPiece tokens, 8 times the longest sequence
+# BERT trains on; longer "sentences" are truncated in the examples anyway, and a corpus of
+# one-line documents (a dump without line breaks) would otherwise make sentences of
+# megabytes.
+MAX_LINE_CHARS = 20_000
+# A unit with more undecodable bytes than this share is not text (a binary file): skipped.
+MAX_UNDECODABLE_SHARE = 0.01
+# The counts of a read that repaired rather than skipped (lambjax.data.builder.summary_line).
+REPLACED_BYTES = "bytes not UTF-8 replaced"
+SPLIT_LINES = "long lines cut"
+REPAIRS = (REPLACED_BYTES, SPLIT_LINES)
+# Compression by file suffix, and by the format's first bytes (its magic number).
+_COMPRESSION_SUFFIXES = {".gz": "gzip", ".bz2": "bzip2", ".xz": "xz"}
+_COMPRESSION_MAGIC = {b"\x1f\x8b": "gzip", b"BZh": "bzip2", b"\xfd7zXZ\x00": "xz"}
+_DECOMPRESSORS = {"gzip": gzip.open, "bzip2": bz2.open, "xz": lzma.open}
+_SURROGATES = re.compile("[\udc80-\udcff]")  # undecodable bytes, as surrogateescape keeps them
 
 
 class DataError(ValueError):
@@ -44,6 +71,7 @@ class Unit:
     end: int = 0  # exclusive
     size_bytes: int = 0  # of text, or an estimate for tfds (progress and MB/s)
     tfds_data_dir: str | None = None
+    compression: str = ""  # text: gzip | bzip2 | xz, the whole file; "" plain
 
 
 def check_source(source: str) -> None:
@@ -124,6 +152,10 @@ def _text_units(pattern: str, unit_bytes: int) -> list[Unit]:
     units = []
     for path in paths:
         size = path.stat().length
+        compression = compression_of(path)
+        if compression:
+            units.append(Unit(len(units), "text", str(path), 0, size, size, None, compression))
+            continue
         pieces = max(1, math.ceil(size / unit_bytes))
         edges = [size * i // pieces for i in range(pieces + 1)]
         for start, end in zip(edges[:-1], edges[1:], strict=True):
@@ -131,18 +163,82 @@ def _text_units(pattern: str, unit_bytes: int) -> list[Unit]:
     return units
 
 
+def compression_of(path: epath.Path) -> str:
+    """gzip, bzip2 or xz by the file's suffix, else by its first bytes; "" for plain text."""
+    if path.suffix in _COMPRESSION_SUFFIXES:
+        return _COMPRESSION_SUFFIXES[path.suffix]
+    with path.open("rb") as f:
+        head = f.read(6)
+    return next((name for magic, name in _COMPRESSION_MAGIC.items() if head.startswith(magic)), "")
+
+
 def _read_text_range(unit: Unit) -> tuple[list[str], dict[str, int]]:
-    with epath.Path(unit.path).open("rb") as f:
-        begin = _next_boundary(f, unit.start)
-        finish = _next_boundary(f, unit.end)
-        f.seek(begin)
-        raw = f.read(max(0, finish - begin))
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as e:
-        logging.warning("Skipping %s [%d:%d]: not UTF-8 (%s)", unit.path, begin, finish, e)
-        return [], {"files not UTF-8": 1}
-    return [d for d in text.replace("\r\n", "\n").split("\n\n") if d.strip()], {}
+    if unit.compression:
+        try:
+            with epath.Path(unit.path).open("rb") as f:
+                raw = _DECOMPRESSORS[unit.compression](f).read()
+        except (OSError, EOFError, lzma.LZMAError) as e:
+            logging.warning("Skipping %s: not readable as %s (%s)", unit.path, unit.compression, e)
+            return [], {f"files not readable as {unit.compression}": 1}
+        begin, finish = 0, unit.size_bytes
+    else:
+        with epath.Path(unit.path).open("rb") as f:
+            begin = _next_boundary(f, unit.start)
+            finish = _next_boundary(f, unit.end)
+            f.seek(begin)
+            raw = f.read(max(0, finish - begin))
+    return text_documents(raw, f"{unit.path} [{begin}:{finish}]")
+
+
+def text_documents(raw: bytes, where: str = "text") -> tuple[list[str], dict[str, int]]:
+    """The documents of raw text (separated by blank lines), repaired as the module doc
+    says, with the counts of what was repaired or skipped by reason."""
+    text = raw.decode("utf-8", errors="surrogateescape")
+    counts = {}
+    undecodable = len(_SURROGATES.findall(text))
+    if undecodable:
+        if undecodable > MAX_UNDECODABLE_SHARE * len(raw):
+            logging.warning("Skipping %s: not UTF-8 (%d undecodable bytes)", where, undecodable)
+            return [], {"files not UTF-8": 1}
+        text = _SURROGATES.sub("\ufffd", text)
+        counts[REPLACED_BYTES] = undecodable
+    text = text.replace("\r\n", "\n").replace("\r", "\n")
+    documents = []
+    for document in text.split("\n\n"):
+        if not document.strip():
+            continue
+        if len(document) > MAX_LINE_CHARS:
+            pieces, cut = _split_long_lines(document)
+            if cut:
+                counts[SPLIT_LINES] = counts.get(SPLIT_LINES, 0) + cut
+            documents += pieces
+        else:
+            documents.append(document)
+    return documents, counts
+
+
+def _split_long_lines(document: str) -> tuple[list[str], int]:
+    """`document` with each line over MAX_LINE_CHARS cut at its last space before the limit
+    (or at the limit, without one): the lines before a long line, each of its pieces and the
+    lines after it become documents of their own. A line that long has no sentence ends to
+    pair sentences by, and its pieces are its sentences. Also returns the lines cut."""
+    documents, lines, cut_lines = [], [], 0
+    for line in document.split("\n"):
+        if len(line) <= MAX_LINE_CHARS:
+            lines.append(line)
+            continue
+        if "".join(lines).strip():
+            documents.append("\n".join(lines))
+        lines, cut_lines = [], cut_lines + 1
+        while len(line) > MAX_LINE_CHARS:
+            cut = line.rfind(" ", 0, MAX_LINE_CHARS + 1)
+            cut = cut if cut > 0 else MAX_LINE_CHARS
+            documents.append(line[:cut])
+            line = line[cut:].lstrip(" ")
+        lines.append(line)
+    if "".join(lines).strip():
+        documents.append("\n".join(lines))
+    return documents, cut_lines
 
 
 def _next_boundary(f, offset: int) -> int:
@@ -157,11 +253,11 @@ def _next_boundary(f, offset: int) -> int:
         if not chunk:
             return position + len(carry)
         window = carry + chunk
-        found = window.find(_BOUNDARY)
-        if found >= 0:
-            return position + found + len(_BOUNDARY)
-        position += len(window) - 1
-        carry = window[-1:]
+        found = [(window.find(b), len(b)) for b in _BOUNDARIES if window.find(b) >= 0]
+        if found:
+            return position + sum(min(found))
+        carry = window[-2:]  # a boundary may straddle two reads
+        position += len(window) - len(carry)
 
 
 def _tfds_builder(spec: str, data_dir: str | None):

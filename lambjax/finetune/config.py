@@ -9,6 +9,7 @@ LayerNorm, gradient clipping at norm 1.0).
 
 import ml_collections
 
+from lambjax import ranges
 from lambjax.finetune import glue
 from lambjax.finetune.errors import FinetuneError
 from lambjax.train import config as train_config
@@ -78,6 +79,34 @@ def base_config() -> ml_collections.ConfigDict:
     )
 
 
+# Numeric fields with a range: (field, interval, integer) (lambjax.ranges).
+RANGES = (
+    ("learning_rate", "(0, inf)", False),
+    ("warmup_fraction", "[0, 1]", False),
+    ("num_epochs", "[0, inf)", False),
+    ("num_steps", "[0, inf)", True),
+    ("vocab_size", "[1, inf)", True),
+    ("null_score_diff_threshold", "(-inf, inf)", False),
+    ("seed", "[0, inf)", True),
+    ("eval_every_steps", "[0, inf)", True),
+    ("max_checkpoints_to_keep", "[1, inf)", True),
+)
+OPTIMIZER_RANGES = (
+    ("b1", "[0, 1)"),
+    ("b2", "[0, 1)"),
+    ("eps", "(0, inf)"),
+    ("weight_decay", "[0, inf)"),
+    ("max_global_norm", "(0, inf)"),
+)
+
+
+def _check_range(field: str, value, interval: str, integer: bool) -> None:
+    try:
+        ranges.check(field, value, interval, integer=integer)
+    except ValueError as error:
+        raise FinetuneError(str(error)) from None
+
+
 def validate(config, num_data_parallel: int, process_count: int) -> None:
     if config.task not in SQUAD_TASKS and config.task not in glue.TASKS:
         raise FinetuneError(
@@ -102,6 +131,15 @@ def validate(config, num_data_parallel: int, process_count: int) -> None:
     for name in positive:
         if int(config[name]) <= 0:
             raise FinetuneError(f"config.{name}={config[name]} must be a positive integer")
+    for name, interval, integer in RANGES:
+        _check_range(f"config.{name}", config[name], interval, integer)
+    for name, interval in OPTIMIZER_RANGES:
+        value = config.optimizer[name]
+        if value is not None:
+            _check_range(f"config.optimizer.{name}", value, interval, False)
+    for name in ("hidden_dropout", "attention_dropout"):
+        if config.model[name] is not None:
+            _check_range(f"config.model.{name}", config.model[name], "[0, 1)", False)
     if config.num_steps <= 0 and config.num_epochs <= 0:
         raise FinetuneError(f"config.num_epochs={config.num_epochs} must be > 0 (or num_steps)")
     if not 0 <= config.warmup_fraction <= 1:

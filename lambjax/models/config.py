@@ -6,6 +6,7 @@ what would be valid; everything below reads it (lambjax.models.bert, .encoder, .
 
 import dataclasses
 
+from lambjax import ranges
 from lambjax.models import attention
 
 PRESETS = {
@@ -76,6 +77,8 @@ class BertConfig:
         for name in ("hidden_dropout", "attention_dropout"):
             if not 0 <= getattr(self, name) < 1:
                 raise ValueError(f"BertConfig.{name}={getattr(self, name)} must lie in [0, 1)")
+        ranges.check("BertConfig.layer_norm_eps", self.layer_norm_eps, "(0, inf)")
+        ranges.check("BertConfig.initializer_range", self.initializer_range, "[0, inf)")
         for name in ("dtype", "param_dtype"):
             if getattr(self, name) not in ("float32", "bfloat16", "float16"):
                 raise ValueError(

@@ -54,16 +54,22 @@ def main(argv):
     from lambjax.sweep import runner, spec
 
     config_spec = cli.config_spec(sys.argv[1:])
-    module, arg = cli.load_module(config_spec)
+    module, _ = cli.load_module(config_spec)
     if not hasattr(module, "get_sweep"):
         cli.fail(PROGRAM, f"--config={config_spec}: the file defines no get_sweep()")
     try:
-        trials = spec.trials(_CONFIG.value, module.get_sweep(arg) if arg else module.get_sweep())
+        given = cli.call_config_function(module, "get_sweep", config_spec)
+        study = None
+        if hasattr(module, "get_study"):
+            study = cli.call_config_function(module, "get_study", config_spec)
+    except cli.ConfigCodeError as error:
+        cli.fail_config_code(PROGRAM, error, flags.FLAGS.verbosity >= 1)
+    except ValueError as error:  # its message names the config file
+        cli.fail(PROGRAM, str(error))
+    try:
+        trials = spec.trials(_CONFIG.value, given)
     except (spec.SweepError, ValueError) as error:
         cli.fail(PROGRAM, f"--config={config_spec}: {error}")
-    study = None
-    if hasattr(module, "get_study"):
-        study = module.get_study(arg) if arg else module.get_study()
     base_flags = cli.config_overrides(sys.argv[1:])
     try:
         storage.check_reachable(_WORKDIR.value, "--workdir")

@@ -32,6 +32,8 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from lambjax import ranges
+
 DEPTH_RULES = ("deepspeed", "paper")
 
 
@@ -94,10 +96,8 @@ def check_settings(settings) -> None:
     """`config.layer_drop`'s own values, named by their field."""
     if not settings.enabled:
         return
-    if not 0 < settings.theta_bar <= 1:
-        raise ValueError(f"config.layer_drop.theta_bar={settings.theta_bar} must lie in (0, 1]")
-    if settings.gamma < 0:
-        raise ValueError(f"config.layer_drop.gamma={settings.gamma} must be >= 0")
+    ranges.check("config.layer_drop.theta_bar", settings.theta_bar, "(0, 1]")
+    ranges.check("config.layer_drop.gamma", settings.gamma, "[0, inf)")
     if settings.depth_rule not in DEPTH_RULES:
         raise ValueError(
             f"config.layer_drop.depth_rule={settings.depth_rule!r}; valid: "

@@ -236,6 +236,39 @@ def prepare_data(run_plan: RunPlan) -> dict[int, data_lib.Prepared]:
     )
 
 
+def check_data(run_plan: RunPlan, datasets: dict[int, data_lib.Prepared]) -> None:
+    """Every phase's global batch fits in its training split, and the evaluation batch in
+    the held-out split (after the data is built, before anything is compiled): a batch
+    larger than its split would make no batch at all."""
+    source = run_plan.data.source
+    for plan in run_plan.phases:
+        seq = plan.batch.max_seq_length
+        prepared = datasets[seq]
+        examples = prepared.num_examples("train")
+        batch = plan.batch.global_batch_size
+        if examples == 0:
+            raise data_lib.DataError(
+                f"config.data.source={source} yields no training examples at "
+                f"max_seq_length={seq} (no sentence pairs); valid: a corpus of at least "
+                f"{batch} examples, one global batch of phase {plan.name}"
+            )
+        if examples < batch:
+            raise data_lib.DataError(
+                f"config.phases.{plan.name}.global_batch_size={batch} exceeds the {examples} "
+                f"training examples config.data.source={source} yields at max_seq_length="
+                f"{seq}; valid: at most {examples}, or a larger corpus"
+            )
+        held_out = prepared.data_sources.get("validation")
+        if held_out is not None and run_plan.data.validation_fraction > 0:
+            if len(held_out) < run_plan.eval_batch_size:
+                raise data_lib.DataError(
+                    f"config.eval_batch_size={run_plan.eval_batch_size} exceeds the "
+                    f"{len(held_out)} held-out examples (config.data.validation_fraction="
+                    f"{run_plan.data.validation_fraction}) at max_seq_length={seq}; valid: at "
+                    f"most {len(held_out)}, a larger validation_fraction, or 0 (no evaluation)"
+                )
+
+
 def _prepared(find_or_build: Callable):
     """A single-host run builds what is missing, for every phase of the run at once (one Beam
     pipeline, on the DirectRunner). A multi-host run never builds: that is

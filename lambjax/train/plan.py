@@ -5,15 +5,18 @@ ml_collections config (and the size of the vocabulary the data uses) exactly onc
 it, and returns a `RunPlan`: the run's settings and, in `phases`, a `PhasePlan` per phase
 with everything the code below needs (model, optimizer and schedule, mesh, batch geometry,
 data options, the variants' settings). Nothing downstream reads the config again; growing
-from the previous phase reads `PhasePlan.previous`.
+from the previous phase reads `PhasePlan.previous`. `check(config, num_devices=...,
+process_count=...)` runs the same checks before the vocabulary exists, a run's first step.
 
 Checks live beside their feature and are collected here, in one pass, before anything is
 built: the run's and the phases' own fields in lambjax.train.plan_checks; progressive layer
 dropping in lambjax.train.layer_drop; multi-stage layerwise training in
 lambjax.train.layerwise; the standardization loss in lambjax.models.standardization; a step
 method's (`config.step_method`, lambjax.train.method) in its own module; packing in
-lambjax.data.packing; the PRNG implementation in lambjax.train.prng; the gradient's
-reduction in lambjax.train.reduction. Each raises `ConfigError` (a ValueError) naming the
+lambjax.data.packing; the data fields in lambjax.data.builder.check_config; the PRNG
+implementation in lambjax.train.prng; the gradient's reduction in lambjax.train.reduction.
+Numbers are checked against their interval (lambjax.ranges), so that NaN and inf are
+refused too. Each raises `ConfigError` (a ValueError) naming the
 field, the value and what would be valid.
 
 A plan is the same on any machine: what depends on the platform (the attention kernel, the
@@ -25,6 +28,7 @@ from collections.abc import Mapping
 
 import ml_collections
 
+from lambjax import data as data_lib
 from lambjax import sharding
 from lambjax.data import packing as packing_lib
 from lambjax.models import standardization
@@ -145,6 +149,7 @@ class RunPlan:
 def resolve(config, *, vocab_size: int, num_devices: int, process_count: int = 1) -> RunPlan:
     """The run plan of `config`, checked; raises ConfigError naming the first bad field."""
     plan_checks.check_run(config, process_count)
+    plan_checks.run_checks(lambda: data_lib.check_config(config.data))
     method = method_lib.load(config.step_method)
     plan_checks.run_checks(  # the variants' own settings, before the phase plans hold them
         lambda: layer_drop.check_settings(config.layer_drop),
@@ -198,6 +203,22 @@ def resolve(config, *, vocab_size: int, num_devices: int, process_count: int = 1
         peak_flops_per_device=config.peak_flops_per_device,
         profile=config.profile,
         config_json=config.to_json_best_effort(),
+    )
+
+
+# What `check` gives the model for the vocabulary's size, which no check depends on.
+_VOCAB_SIZE_STAND_IN = 8
+
+
+def check(config, *, num_devices: int, process_count: int = 1) -> None:
+    """Every check of `resolve`, before the vocabulary exists (a run's first step, before
+    any data or vocabulary work): the plan takes only the model's vocabulary size from the
+    data, and no check depends on it."""
+    resolve(
+        config,
+        vocab_size=_VOCAB_SIZE_STAND_IN,
+        num_devices=num_devices,
+        process_count=process_count,
     )
 
 
@@ -296,7 +317,9 @@ def _overrides(fields: ml_collections.ConfigDict) -> dict:
 
 def _optimizer(config, name: str) -> OptimizerPlan:
     """The top-level optimizer with the phase's overrides applied."""
-    merged = {**config.optimizer.to_dict(), **_overrides(config.phases[name].optimizer)}
+    overrides = _overrides(config.phases[name].optimizer)
+    plan_checks.check_optimizer(overrides, f"config.phases.{name}.optimizer")
+    merged = {**config.optimizer.to_dict(), **overrides}
     if merged["name"] not in OPTIMIZERS:
         raise ConfigError(
             f"optimizer name {merged['name']!r} (config.phases.{name}); valid: {OPTIMIZERS}"

@@ -4,6 +4,9 @@ The features' checks live beside each feature (lambjax.train.plan lists them);
 `run_checks` runs them, turning the ValueErrors that name a config field into ConfigErrors.
 """
 
+import math
+
+from lambjax import ranges
 from lambjax.train.config import (
     OPTIMIZER_STATE_AT_PHASE_START,
     SCHEDULES,
@@ -21,6 +24,46 @@ def run_checks(*checks) -> None:
             raise
         except ValueError as error:
             raise ConfigError(str(error)) from None
+
+
+# The run's and a phase's numeric fields with a range (those not checked elsewhere).
+RUN_RANGES = (
+    ("seed", "[0, inf)", True),  # numpy's generators take no negative seed
+    ("eval_steps", "[0, inf)", True),
+    ("max_checkpoints_to_keep", "[1, inf)", True),
+    ("max_consecutive_nonfinite_steps", "[1, inf)", True),
+    ("peak_flops_per_device", "[0, inf)", False),
+)
+PHASE_RANGES = (
+    ("warmup_fraction", "[0, 1]", False),
+    ("constant_fraction", "[0, 1]", False),
+    ("decay_power", "[0, inf)", False),
+    ("frozen_layers", "[0, inf)", True),
+)
+OPTIMIZER_RANGES = (
+    ("b1", "[0, 1)", False),
+    ("b2", "[0, 1)", False),
+    ("eps", "(0, inf)", False),
+    ("weight_decay", "[0, inf)", False),
+)
+
+
+def check_range(field: str, value, interval: str, integer: bool = False) -> None:
+    """ConfigError unless `value` lies in `interval` (lambjax.ranges)."""
+    try:
+        ranges.check(field, value, interval, integer=integer)
+    except ValueError as error:
+        raise ConfigError(str(error)) from None
+
+
+def check_optimizer(fields: dict, where: str) -> None:
+    """The optimizer's numbers among `fields` (all of config.optimizer, or a phase's
+    overrides); `where` names the config group they come from."""
+    for field, interval, integer in OPTIMIZER_RANGES:
+        if fields.get(field) is not None:
+            check_range(f"{where}.{field}", fields[field], interval, integer)
+    if fields.get("max_global_norm") is not None:
+        check_range(f"{where}.max_global_norm", fields["max_global_norm"], "(0, inf)")
 
 
 def check_stages(phases) -> None:
@@ -53,6 +96,12 @@ def check_run(config, process_count: int) -> None:
             f"config.checkpoint_every_minutes={config.checkpoint_every_minutes} must be >= 0 "
             "(0: checkpoints by steps only)"
         )
+    for field, interval, integer in RUN_RANGES:
+        check_range(f"config.{field}", config[field], interval, integer)
+    check_optimizer(config.optimizer.to_dict(), "config.optimizer")
+    check_range(
+        "config.standardization_loss.weight", config.standardization_loss.weight, "[0, inf)"
+    )
     if config.eval_batch_size <= 0 or config.eval_batch_size % process_count:
         raise ConfigError(
             f"config.eval_batch_size={config.eval_batch_size} must be positive and divisible "
@@ -69,8 +118,12 @@ def check_phase_fields(phase, where: str) -> None:
             f"{where}.max_predictions_per_seq={phase.max_predictions_per_seq} exceeds "
             f"max_seq_length={phase.max_seq_length}"
         )
-    if phase.learning_rate <= 0:
-        raise ConfigError(f"{where}.learning_rate={phase.learning_rate} must be positive")
+    if not (math.isfinite(phase.learning_rate) and phase.learning_rate > 0):
+        raise ConfigError(
+            f"{where}.learning_rate={phase.learning_rate} must be positive and finite (> 0)"
+        )
+    for field, interval, integer in PHASE_RANGES:
+        check_range(f"{where}.{field}", phase[field], interval, integer)
     if phase.schedule not in SCHEDULES:
         raise ConfigError(f"{where}.schedule={phase.schedule!r}; valid: {SCHEDULES}")
     if not 0 <= phase.warmup_fraction + phase.constant_fraction <= 1:

@@ -35,6 +35,10 @@ class TrainingStopped(RuntimeError):
     """The run cannot go on (e.g. too many consecutive non-finite steps)."""
 
 
+# The exit status of a run that diverged (TrainingStopped), apart from a bad command's 2.
+DIVERGED_STATUS = 3
+
+
 @dataclasses.dataclass
 class PhaseResult:
     name: str
@@ -64,19 +68,17 @@ def compile_steps(phase: Phase) -> loop.CompiledSteps:
 def train_and_evaluate(config, workdir: str) -> dict:
     """Runs the remaining phases; returns the last phase's final evaluation metrics."""
     workdir = storage.resolve(workdir)
+    devices = dict(num_devices=jax.device_count(), process_count=jax.process_count())
+    plan_lib.check(config, **devices)  # before anything is written
     workdir_lib.check(config.to_json_best_effort(), workdir)
     console.log_to_file(workdir, console.process_log_name("train", jax.process_index()))
     for flag, path in data_lib.paths(config.data):
         storage.check_reachable(path, flag)
     vocabulary = phases.prepare_vocabulary(config.data)
-    run_plan = plan_lib.resolve(
-        config,
-        vocab_size=vocabulary.size,
-        num_devices=jax.device_count(),
-        process_count=jax.process_count(),
-    )
+    run_plan = plan_lib.resolve(config, vocab_size=vocabulary.size, **devices)
     phases.check_platform(run_plan)
     datasets = phases.prepare_data(run_plan)
+    phases.check_data(run_plan, datasets)
     writer = metrics_lib.create_writer(workdir)
     stop = distributed.StopRequest()
     results = []
@@ -153,6 +155,7 @@ class PhaseLoop:
         self.step_time = metrics_lib.MeanStepTime()
         self.later_phases_flops = throughput.later_phases_flops(run_plan, phase.plan)
         self.eval_metrics = {}
+        self.save_pending = False  # a save held back by non-finite steps (`finite`)
 
     def train(self, state, step: int, stop) -> tuple[int, bool]:
         """(final step, whether a stop was requested)."""
@@ -176,7 +179,10 @@ class PhaseLoop:
         )
         if jax.process_index() == 0:
             logging.info("%s", self.progress_line(step, train))
-        check_nonfinite(state, step, self.run_plan.max_consecutive_nonfinite_steps)
+        try:
+            check_nonfinite(state, step, self.run_plan.max_consecutive_nonfinite_steps)
+        except TrainingStopped as error:
+            raise TrainingStopped(f"{error}; {self.last_checkpoint()}") from None
 
     def progress_line(self, step: int, train: dict) -> str:
         eta_phase = eta_run = None
@@ -219,6 +225,9 @@ class PhaseLoop:
         return {k: float(v) for k, v in metrics.items()}
 
     def save(self, step: int, state) -> None:
+        if not self.finite(step, state):
+            return
+        self.save_pending = False
         self.writer.flush()  # the metrics reach every checkpoint (in a bucket too)
         if not self.ckpt.steps():  # the phase's first checkpoint: the config it runs
             workdir_lib.save_config(self.run_plan.config_json, self.workdir)
@@ -226,7 +235,44 @@ class PhaseLoop:
         self.save_clock.saved()
 
     def save_due(self, step: int) -> bool:
-        return self.save_clock.due(step)
+        return self.save_pending or self.save_clock.due(step)
+
+    def finite(self, step: int, state) -> bool:
+        """Whether `state` may be saved. A state whose last step had a non-finite loss is
+        not: its save waits for a finite step (`save_pending`), so that the latest
+        checkpoint is always a state that trained finitely. Parameters that are not finite
+        never recover (a skipped step keeps them) and stop the run, as does a phase whose
+        last step cannot wait."""
+        nonfinite = int(jax.device_get(state.consecutive_nonfinite))
+        if not params_finite(state.params):
+            raise TrainingStopped(
+                f"phase {self.phase.name}: the parameters after step {step} are not finite "
+                f"(the update diverged); not saved, {self.last_checkpoint()}"
+            )
+        if not nonfinite:
+            return True
+        if step >= self.num_steps:
+            raise TrainingStopped(
+                f"phase {self.phase.name}: its last {nonfinite} steps (to {step}) had a "
+                f"non-finite loss or gradient; not saved, {self.last_checkpoint()}"
+            )
+        logging.warning(
+            "Phase %s step %d: not saved, the last %d steps had a non-finite loss; the save "
+            "waits for a finite step",
+            self.phase.name,
+            step,
+            nonfinite,
+        )
+        self.save_pending = True
+        return False
+
+    def last_checkpoint(self) -> str:
+        """Where the run stands after a divergence, for its one line."""
+        saved = self.ckpt.steps()
+        where = checkpointing.checkpoint_dir(self.workdir, self.phase.name)
+        if not saved:
+            return f"no checkpoint of phase {self.phase.name} was saved (a lower learning rate?)"
+        return f"the last checkpoint, {where}/{max(saved)}, is kept (a lower learning rate?)"
 
 
 def check_nonfinite(state, step: int, limit: int) -> None:
@@ -237,6 +283,12 @@ def check_nonfinite(state, step: int, limit: int) -> None:
             f"non-finite loss or gradient and were skipped (limit: "
             f"max_consecutive_nonfinite_steps={limit})"
         )
+
+
+def params_finite(params) -> bool:
+    """Whether every parameter is finite (one reduction per tensor, one transfer)."""
+    flags = [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(params)]
+    return bool(jax.device_get(jnp.all(jnp.stack(flags))))
 
 
 def log_summary(workdir: str, results: list[PhaseResult]) -> None:
