@@ -78,11 +78,13 @@ def logical_to_spec(logical_axes: Sequence[str | None], shape: Sequence[int], me
 
     A dimension is left replicated when its size does not divide by the mesh axes it maps
     to (e.g. BERT's vocabulary of 30,522 on a tensor axis of 4), and a mesh axis is used at
-    most once per array.
+    most once per array. `mesh` may be abstract (`jax.sharding.get_abstract_mesh()` inside a
+    traced function); its manual axes (inside `shard_map`) are left out, the array being that
+    axis's shard already.
     """
     if len(logical_axes) != len(shape):
         raise ValueError(f"logical axes {tuple(logical_axes)} do not match shape {tuple(shape)}")
-    used: set[str] = set()
+    used: set[str] = set(mesh.manual_axes)
     spec = []
     for name, size in zip(logical_axes, shape, strict=True):
         if name is not None and name not in _RULES:
