@@ -74,6 +74,7 @@ def train_and_evaluate(config, workdir: str) -> dict:
         vocab_size=vocabulary.size,
         num_devices=jax.device_count(),
         process_count=jax.process_count(),
+        num_slices=sharding.slice_count(jax.devices()),
     )
     phases.check_platform(run_plan)
     datasets = phases.prepare_data(run_plan)
