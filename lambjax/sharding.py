@@ -91,12 +91,8 @@ def mesh_layout(
     if unknown:
         raise ValueError(f"mesh.dcn axes {sorted(unknown)} are unknown; valid axes: {MESH_AXES}")
     slices = {axis: int(dcn.get(axis, 1)) for axis in MESH_AXES}
-    for axis, count in slices.items():
-        if count < 1 or sizes[axis] % count:
-            raise ValueError(
-                f"mesh.dcn.{axis}={count} does not divide mesh {axis}={sizes[axis]}; valid: "
-                f"a divisor of {sizes[axis]} (the {axis} axis's slices)"
-            )
+    if any(count < 1 for count in slices.values()):
+        raise ValueError(f"mesh.dcn {dict(dcn)}: sizes must be positive")
     spanned = int(np.prod(list(slices.values())))
     if spanned == 1 < num_slices:
         raise ValueError(
@@ -111,6 +107,12 @@ def mesh_layout(
             f"valid: mesh.dcn sizes that multiply to {num_slices}"
             + (" (all 1 on one slice)" if num_slices == 1 else "")
         )
+    for axis, count in slices.items():
+        if sizes[axis] % count:
+            raise ValueError(
+                f"mesh.dcn.{axis}={count} does not divide mesh {axis}={sizes[axis]}; valid: "
+                f"a divisor of {sizes[axis]} (the {axis} axis's slices)"
+            )
     return sizes, slices
 
 

@@ -4,6 +4,7 @@ import itertools
 import jax
 import numpy as np
 import pytest
+from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from lambjax import sharding
@@ -186,3 +187,43 @@ def test_a_mesh_that_does_not_fit_the_slices_is_named(devices, shape, dcn, messa
     with pytest.raises(ValueError, match=message) as error:
         sharding.device_grid(shape, devices, dcn)
     assert "\n" not in str(error.value)
+
+
+@pytest.mark.slow
+def test_a_checkpoint_restores_onto_a_two_slice_mesh(tmp_path):
+    """Parameters saved from an FSDP mesh of 8, restored onto data 2 across two slices x
+    fsdp 4 within each. CPU devices carry no slice index, so the two-slice device order is
+    that of two fake v5e slices of 2 x 2 chips, given to the CPU devices of the same ids."""
+    from lambjax.models.config import BertConfig
+    from lambjax.models.params import init_params, param_logical_axes
+    from lambjax.train import checkpointing
+
+    fake_order = sharding.device_grid(
+        {"data": 2, "fsdp": 4}, tpu_slices("TPU v5 lite", 2, 2, 1, slices=2), {"data": 2}
+    )
+    cpu = {d.id: d for d in jax.devices()}
+    two_slices = Mesh(np.vectorize(lambda d: cpu[d.id])(fake_order), sharding.MESH_AXES)
+    assert [d.id for d in two_slices.devices.ravel()] == [0, 1, 3, 2, 4, 5, 7, 6]
+
+    config = BertConfig.preset("tiny", vocab_size=128, num_layers=1)
+    abstract = jax.eval_shape(lambda: init_params(config, jax.random.key(0)))
+
+    def on(mesh):
+        shardings = sharding.tree_shardings(abstract, param_logical_axes(config), mesh)
+        return jax.tree.map(
+            lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), abstract, shardings
+        )
+
+    saved_on = on(sharding.make_mesh({"fsdp": 8}))
+    state = jax.jit(
+        lambda: init_params(config, jax.random.key(0)),
+        out_shardings=jax.tree.map(lambda x: x.sharding, saved_on),
+    )()
+    ckpt = checkpointing.PhaseCheckpoints(str(tmp_path), "phase1", max_to_keep=1, async_save=False)
+    ckpt.save(1, state, {"position": 1}, {"phase": "phase1"})
+    restored = ckpt.restore_latest(on(two_slices)).state
+    ckpt.close()
+    for got, want in zip(jax.tree.leaves(restored), jax.tree.leaves(state), strict=True):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    kernel = restored["encoder"]["layers"]["mlp"]["output"]["kernel"]
+    assert kernel.sharding.mesh.devices.ravel().tolist() == two_slices.devices.ravel().tolist()
