@@ -77,7 +77,7 @@ def slice_count(devices: Sequence[jax.Device]) -> int:
     not told apart)."""
     if devices[0].platform != "tpu":
         return 1
-    return len({d.slice_index for d in devices})
+    return len({getattr(d, "slice_index", 0) for d in devices})
 
 
 def mesh_layout(
