@@ -107,6 +107,8 @@ def main_cases(inputs, root) -> list[tuple[list[str], str]]:
         (main(f"--config.data.source=text:{inputs['root']}/empty/*.txt"), "holds no text"),
         (main(f"--config.data.source=text:{inputs['binary']}"), "decoded as UTF-8"),
         (main(workdir=inputs["finetuning"]), "holds a fine-tuning run"),
+        (main("--config.mesh.dcn.data=2"), "mesh.dcn {'data': 2} spans 2 slices but the devices"),
+        (main("--config.mesh.fsdp=2"), "the fixed axes multiply to 2, which does not divide 1"),
         (main(workdir=inputs["binary"]), "is a file"),
         (main(workdir=inputs["truncated_config"]), "config.json cannot be read"),
         ([f"--config={inputs['binary']}", "--workdir=x"], "is not a Python file"),

@@ -17,7 +17,9 @@
 
 In every form a padding token is never attended to, so the real tokens' outputs agree; the
 padding rows' own outputs differ between forms (cuDNN writes zeros there) and are never read
-by the losses. Neither kernel takes a dropout key: the private cuDNN entry point that has a
+by the losses. Both kernels run per shard (`partitioned`): XLA cannot split a Pallas (Mosaic)
+kernel over devices itself, and inside `shard_map` each device calls the kernel on its own
+rows and heads. Neither kernel takes a dropout key: the private cuDNN entry point that has a
 dropout rate compiles its seed into the call as a constant (the same mask at every step), so
 lambjax does not use it.
 """
@@ -28,6 +30,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from absl import logging
+
+from lambjax import sharding
 
 FORMS = ("auto", "xla", "cudnn", "splash")
 # The platform each kernel runs on (jax.default_backend()).
@@ -142,19 +146,24 @@ def cudnn_attention(q, k, v, mask: AttentionMask, *, implementation: str = "cudn
     """`jax.nn.dot_product_attention` with the padding as lengths (one example per row) or a
     boolean mask (packed rows). `implementation='xla'` runs the same call on any platform:
     the tests check cuDNN's semantics that way."""
-    if mask.packed:
+
+    def per_shard(q, k, v, segment_ids):
+        shard_mask = AttentionMask(segment_ids=segment_ids, packed=mask.packed)
+        if mask.packed:
+            return jax.nn.dot_product_attention(
+                q, k, v, mask=shard_mask.allowed(), implementation=implementation
+            )
+        lengths = shard_mask.lengths()
         return jax.nn.dot_product_attention(
-            q, k, v, mask=mask.allowed(), implementation=implementation
+            q,
+            k,
+            v,
+            query_seq_lengths=lengths,
+            key_value_seq_lengths=lengths,
+            implementation=implementation,
         )
-    lengths = mask.lengths()
-    return jax.nn.dot_product_attention(
-        q,
-        k,
-        v,
-        query_seq_lengths=lengths,
-        key_value_seq_lengths=lengths,
-        implementation=implementation,
-    )
+
+    return partitioned(per_shard, q, k, v, mask.segment_ids)
 
 
 def splash_block_sizes(seq_len: int):
@@ -190,19 +199,47 @@ def _splash_kernel(num_heads: int, seq_len: int, interpret: bool):
 
 
 def splash_attention(q, k, v, mask: AttentionMask, *, interpret: bool = False):
-    """Pallas splash attention, vmapped over the batch; `interpret=True` runs it on CPU."""
+    """Pallas splash attention, vmapped over each shard's rows; `interpret=True` runs it on
+    CPU."""
     from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk
 
-    _, seq_len, num_heads, head_dim = q.shape
-    kernel = _splash_kernel(num_heads, seq_len, interpret)
+    head_dim = q.shape[-1]
     scale = np.float32(1.0 / np.sqrt(head_dim)).astype(q.dtype)
 
-    def one_row(q, k, v, segments):  # [S, H, D] -> [H, S, D], the kernel's layout
-        q, k, v = (jnp.swapaxes(x, 0, 1) for x in (q * scale, k, v))
-        out = kernel(q, k, v, segment_ids=sk.SegmentIds(q=segments, kv=segments))
-        return jnp.swapaxes(out, 0, 1)
+    def per_shard(q, k, v, segment_ids):
+        _, seq_len, num_heads, _ = q.shape  # this shard's heads
+        kernel = _splash_kernel(num_heads, seq_len, interpret)
 
-    return jax.vmap(one_row)(q, k, v, mask.segment_ids)
+        def one_row(q, k, v, segments):  # [S, H, D] -> [H, S, D], the kernel's layout
+            q, k, v = (jnp.swapaxes(x, 0, 1) for x in (q * scale, k, v))
+            out = kernel(q, k, v, segment_ids=sk.SegmentIds(q=segments, kv=segments))
+            return jnp.swapaxes(out, 0, 1)
+
+        return jax.vmap(one_row)(q, k, v, segment_ids)
+
+    return partitioned(per_shard, q, k, v, mask.segment_ids)
+
+
+def partitioned(kernel, q, k, v, segment_ids):
+    """`kernel(q, k, v, segment_ids)` under `shard_map` over the context mesh
+    (`jax.set_mesh`; lambjax.train.loop sets the run's): each device runs it on its rows
+    (the batch's mesh axes) and heads (the heads' axis) and XLA partitions nothing inside.
+    Every axis goes manual, those of size 1 too (a Mosaic kernel lowers only where all are);
+    those already manual (a step that runs in its own `shard_map`) stay so. With no context
+    mesh (one device) the kernel runs as it is."""
+    mesh = jax.sharding.get_abstract_mesh()
+    free = tuple(a for a in mesh.axis_names if a not in mesh.manual_axes)
+    if mesh.empty or not free:
+        return kernel(q, k, v, segment_ids)
+    qkv = sharding.logical_to_spec(("batch", "length", "heads", "kv"), q.shape, mesh)
+    rows = jax.sharding.PartitionSpec(qkv[0], None)
+    return jax.shard_map(
+        kernel,
+        in_specs=(qkv, qkv, qkv, rows),
+        out_specs=qkv,
+        axis_names=set(free),
+        check_vma=False,
+    )(q, k, v, segment_ids)
 
 
 def attend(config, q, k, v, mask: AttentionMask, *, dropout, einsum=None):

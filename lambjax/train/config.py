@@ -8,7 +8,7 @@ A config is an `ml_collections.ConfigDict`:
   data:       `lambjax.data.default_config()` (source, vocab, ...)
   optimizer:  the default optimizer of every phase (name, betas, weight decay, clipping)
   mesh:       the default device mesh of every phase ({data, fsdp, tensor, stage} sizes;
-              -1 = rest)
+              -1 = rest), and `mesh.dcn`: the TPU slices each axis spans (lambjax.sharding)
   gradient_reduction: each_microbatch | once (lambjax.train.reduction)
   layer_drop: progressive layer dropping (off by default; lambjax.train.layer_drop)
   standardization_loss: its weight (0: off) and site (lambjax.models.standardization)
@@ -148,6 +148,9 @@ def base_config() -> ml_collections.ConfigDict:
     config.data = data_lib.default_config()
     config.optimizer = optimizer_config("lamb")
     config.mesh = ml_collections.ConfigDict({"data": -1, "fsdp": 1, "tensor": 1, "stage": 1})
+    # On several TPU slices: how many each axis spans, the rest of it within every slice (their
+    # product is the slice count; e.g. dcn.data=2: data parallel across two slices).
+    config.mesh.dcn = ml_collections.ConfigDict({"data": 1, "fsdp": 1, "tensor": 1, "stage": 1})
     # Where the gradient is summed over the mesh axis `data` (lambjax.train.reduction):
     # "each_microbatch" (XLA's choice: inside the micro-batch loop) or "once" per step.
     config.gradient_reduction = "each_microbatch"

@@ -47,6 +47,17 @@ class StateLayout(NamedTuple):
     to_rest: Callable
 
 
+def _under_mesh(mesh: jax.sharding.Mesh, step: Callable) -> Callable:
+    """`step` called, and so traced, with `mesh` as JAX's context mesh: the fused attention
+    kernels read it to run per shard (lambjax.models.attention.partitioned)."""
+
+    def call(*args):
+        with jax.set_mesh(mesh):
+            return step(*args)
+
+    return call
+
+
 def compile_steps(
     mesh: jax.sharding.Mesh,
     state_shardings,
@@ -71,14 +82,20 @@ def compile_steps(
     return CompiledSteps(
         init_state=(jax.jit(init_state, out_shardings=rest) if init_state is not None else None),
         init_optimizer=jax.jit(init_optimizer, out_shardings=rest.opt_state),
-        train=jax.jit(
-            train_step,
-            in_shardings=(state_shardings, batch, replicated),
-            out_shardings=(state_shardings, replicated),
-            donate_argnums=(0,),
+        train=_under_mesh(
+            mesh,
+            jax.jit(
+                train_step,
+                in_shardings=(state_shardings, batch, replicated),
+                out_shardings=(state_shardings, replicated),
+                donate_argnums=(0,),
+            ),
         ),
-        eval=jax.jit(
-            eval_step, in_shardings=(state_shardings.params, batch), out_shardings=replicated
+        eval=_under_mesh(
+            mesh,
+            jax.jit(
+                eval_step, in_shardings=(state_shardings.params, batch), out_shardings=replicated
+            ),
         ),
         **conversions,
     )

@@ -199,7 +199,7 @@ def build_phase(plan: PhasePlan, prepared: data_lib.Prepared) -> Phase:
     return Phase(
         plan=plan,
         prepared=prepared,
-        mesh=sharding.make_mesh(plan.mesh),
+        mesh=sharding.make_mesh(plan.mesh, dcn=plan.mesh_dcn),
         schedule=schedule,
         optimizer=optimizer_lib.make_optimizer(plan.optimizer, schedule),
     )

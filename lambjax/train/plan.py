@@ -117,6 +117,8 @@ class PhasePlan:
     packing: packing_lib.Packing | None  # training rows of several examples; None: one
     gradient_reduction: str  # each_microbatch | once (lambjax.train.reduction)
     previous: "PhasePlan | None"  # the phase before, whose final state this one starts from
+    # The TPU slices each mesh axis spans (config.mesh.dcn; all 1 on one slice).
+    mesh_dcn: Mapping[str, int] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -146,7 +148,9 @@ class RunPlan:
         return sorted({phase.batch.max_seq_length for phase in self.phases})
 
 
-def resolve(config, *, vocab_size: int, num_devices: int, process_count: int = 1) -> RunPlan:
+def resolve(
+    config, *, vocab_size: int, num_devices: int, process_count: int = 1, num_slices: int = 1
+) -> RunPlan:
     """The run plan of `config`, checked; raises ConfigError naming the first bad field."""
     plan_checks.check_run(config, process_count)
     plan_checks.run_checks(lambda: data_lib.check_config(config.data))
@@ -175,6 +179,7 @@ def resolve(config, *, vocab_size: int, num_devices: int, process_count: int = 1
             vocab_size,
             num_devices,
             process_count,
+            num_slices,
         )
         phases.append(phase)
         previous, step_offset = phase, step_offset + phase.num_steps
@@ -210,7 +215,7 @@ def resolve(config, *, vocab_size: int, num_devices: int, process_count: int = 1
 _VOCAB_SIZE_STAND_IN = 8
 
 
-def check(config, *, num_devices: int, process_count: int = 1) -> None:
+def check(config, *, num_devices: int, process_count: int = 1, num_slices: int = 1) -> None:
     """Every check of `resolve`, before the vocabulary exists (a run's first step, before
     any data or vocabulary work): the plan takes only the model's vocabulary size from the
     data, and no check depends on it."""
@@ -219,6 +224,7 @@ def check(config, *, num_devices: int, process_count: int = 1) -> None:
         vocab_size=_VOCAB_SIZE_STAND_IN,
         num_devices=num_devices,
         process_count=process_count,
+        num_slices=num_slices,
     )
 
 
@@ -233,6 +239,7 @@ def _phase(
     vocab_size,
     num_devices,
     process_count,
+    num_slices,
 ) -> PhasePlan:
     phase, where = config.phases[name], f"config.phases.{name}"
     plan_checks.check_phase_fields(phase, where)
@@ -243,7 +250,7 @@ def _phase(
                 f"{where}.optimizer_state='keep' needs the same optimizer as phase "
                 f"{previous.name!r}; set it to 'reset' to change optimizers"
             )
-    mesh = _mesh(config, name, num_devices, where)
+    mesh, mesh_dcn = _mesh(config, name, num_devices, num_slices, where)
     model = _model(config, name, vocab_size)
     if phase.max_seq_length > model.max_position_embeddings:
         raise ConfigError(
@@ -270,6 +277,7 @@ def _phase(
         schedule=_schedule(phase, schedule_span),
         optimizer_state=phase.optimizer_state,
         mesh=mesh,
+        mesh_dcn=mesh_dcn,
         num_frozen_layers=phase.frozen_layers,
         train_decoder=phase.train_decoder,
         layer_drop=(
@@ -327,10 +335,12 @@ def _optimizer(config, name: str) -> OptimizerPlan:
     return OptimizerPlan(**merged)
 
 
-def _mesh(config, name: str, num_devices: int, where: str) -> dict[str, int]:
+def _mesh(config, name: str, num_devices: int, num_slices: int, where: str):
+    """(the phase's mesh axis sizes, the slices each spans)."""
     merged = {**config.mesh.to_dict(), **_overrides(config.phases[name].mesh)}
+    dcn = merged.pop("dcn", {})
     try:
-        return sharding.mesh_shape(merged, num_devices)
+        return sharding.mesh_layout(merged, dcn, num_devices, num_slices)
     except ValueError as e:
         raise ConfigError(f"{where}: {e}") from e
 

@@ -68,7 +68,11 @@ def compile_steps(phase: Phase) -> loop.CompiledSteps:
 def train_and_evaluate(config, workdir: str) -> dict:
     """Runs the remaining phases; returns the last phase's final evaluation metrics."""
     workdir = storage.resolve(workdir)
-    devices = dict(num_devices=jax.device_count(), process_count=jax.process_count())
+    devices = dict(
+        num_devices=jax.device_count(),
+        process_count=jax.process_count(),
+        num_slices=sharding.slice_count(jax.devices()),
+    )
     plan_lib.check(config, **devices)  # before anything is written
     workdir_lib.check(config.to_json_best_effort(), workdir)
     console.log_to_file(workdir, console.process_log_name("train", jax.process_index()))

@@ -2,8 +2,10 @@
 packing, at sequence 128 and 512), the choice of form per platform, and the train step
 lowered for CUDA (cuDNN) and TPU (splash) on this CPU host."""
 
+import contextlib
 import functools
 import re
+from unittest import mock
 
 import jax
 import jax.numpy as jnp
@@ -12,9 +14,11 @@ import optax
 import pytest
 from jax._src.cudnn import fused_attention_stablehlo
 
+from lambjax import sharding
 from lambjax.models import attention
 from lambjax.models.config import BertConfig
-from lambjax.models.params import init_params
+from lambjax.models.params import init_params, param_logical_axes
+from lambjax.train import state as state_lib
 from lambjax.train import step as step_lib
 from lambjax.train.config import optimizer_config
 from lambjax.train.optimizer import make_optimizer
@@ -149,13 +153,17 @@ def packed_batch(seq=128, batch=4, slots=3):
     }
 
 
-def lowered_train_step(config, platform, seq=128, packed=False):
+def lowered_train_step(config, platform, seq=128, packed=False, mesh=None, once=False):
+    """The train step's text lowered for `platform`: as the trainer jits it on `mesh` (its
+    state and batch sharded, the mesh the context one; `once`: gradient_reduction='once'),
+    or with no mesh at all."""
     optimizer = make_optimizer(optimizer_config("lamb"), optax.constant_schedule(1e-3))
     state = jax.eval_shape(
         lambda key: TrainState.create(init_params(config, key), optimizer),
         jax.random.key(0),
     )
-    rows = packed_batch(seq) if packed else random_batch(batch=4, seq=seq)
+    batch_size = 4 if mesh is None else 2 * mesh.size
+    rows = packed_batch(seq, batch_size) if packed else random_batch(batch=batch_size, seq=seq)
     batch = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), rows)
     step = functools.partial(
         step_lib.train_step,
@@ -164,10 +172,69 @@ def lowered_train_step(config, platform, seq=128, packed=False):
             optimizer=optimizer,
             schedule=optax.constant_schedule(1e-3),
             grad_accum_steps=1,
+            reduce_once_on=mesh if once else None,
         ),
     )
-    traced = jax.jit(step).trace(state, batch, jax.random.key(1))
+    if mesh is None:
+        traced = jax.jit(step).trace(state, batch, jax.random.key(1))
+        return traced.lower(lowering_platforms=(platform,)).as_text()
+    state_shardings = state_lib.shardings(
+        state,
+        param_axes=param_logical_axes(config),
+        mesh=mesh,
+        optimizer=optimizer,
+        num_frozen_layers=0,
+    )
+    replicated = sharding.replicated(mesh)
+    jitted = jax.jit(
+        step,
+        in_shardings=(state_shardings, sharding.batch_sharding(mesh), replicated),
+        out_shardings=(state_shardings, replicated),
+    )
+    with jax.set_mesh(mesh):
+        traced = jitted.trace(state, batch, jax.random.key(1))
     return traced.lower(lowering_platforms=(platform,)).as_text()
+
+
+# The meshes the configs and variants produce on 1, 4 and 8 devices: data parallel (the
+# default, mesh.data=-1), FSDP, data x tensor, all three.
+MESHES = {
+    "1": {"data": 1},
+    "data4": {"data": 4},
+    "fsdp4": {"fsdp": 4},
+    "data8": {"data": 8},
+    "fsdp8": {"fsdp": 8},
+    "data4xtensor2": {"data": 4, "tensor": 2},
+    "data2xfsdp2xtensor2": {"data": 2, "fsdp": 2, "tensor": 2},
+}
+
+
+def device_mesh(name):
+    shape = MESHES[name]
+    return sharding.make_mesh(shape, jax.devices()[: int(np.prod(list(shape.values())))])
+
+
+def mesh_cases(names, fast):
+    """(mesh, packed) cases, padded and packed rows on each mesh; those outside `fast` in
+    the full tier only (each takes a few seconds, the matrix minutes)."""
+    return [
+        pytest.param(
+            name,
+            packed,
+            marks=() if (name, packed) in fast else pytest.mark.slow,
+            id=f"{name}-{'packed' if packed else 'padded'}",
+        )
+        for name in names
+        for packed in (False, True)
+    ]
+
+
+def shard_shapes(text):
+    """The [rows, S, heads, head_dim] blocks each fused call's shard_map hands a device (its
+    first argument of rank 4: the queries)."""
+    blocks = re.findall(r"sdy\.manual_computation\(.*?manual_axes=\{[^}]*\} \((.*?)\) \{", text)
+    firsts = (re.search(r"tensor<(\d+)x(\d+)x(\d+)x(\d+)x\w+>", args) for args in blocks)
+    return [tuple(int(d) for d in first.groups()) for first in firsts if first]
 
 
 @pytest.fixture
@@ -214,6 +281,93 @@ def test_train_step_lowers_to_splash_kernels():
     # The kernels live in shared functions; each layer calls the forward and the backward.
     calls = re.findall(r"call @(_splash_attention\w*)\(", text)
     assert len(calls) == 2 * config.num_layers, calls
+
+
+SPLASH_KERNELS = {
+    "splash_mha_fwd_segmented_residuals",
+    "splash_mha_dkv_segmented_no_residuals",
+    "splash_mha_dq_segmented_no_residuals",
+}
+
+
+def splash_counts(text):
+    """(the Mosaic kernels compiled, the calls of the functions that hold them)."""
+    return (
+        text.count("custom_call @tpu_custom_call("),
+        len(re.findall(r"call @(_splash_attention\w*)\(", text)),
+    )
+
+
+def expected_shard(mesh, seq, config):
+    rows = 2 * mesh.size // (mesh.shape["data"] * mesh.shape["fsdp"])
+    return (rows, seq, config.num_heads // mesh.shape["tensor"], config.head_dim)
+
+
+@pytest.mark.parametrize(
+    "mesh_name, packed", mesh_cases(MESHES, fast={("data4xtensor2", False), ("fsdp4", True)})
+)
+def test_splash_partitions_over_every_mesh(mesh_name, packed):
+    """Splash on a multi-chip TPU: each device runs the kernels on its rows and heads
+    (shard_map); XLA cannot partition a Mosaic kernel, so without it lowering fails."""
+    config = BertConfig.preset(
+        "tiny", vocab_size=128, attention="splash", attention_dropout=0.0, scan_layers=False
+    )
+    mesh = device_mesh(mesh_name)
+    text = lowered_train_step(config, "tpu", packed=packed, mesh=mesh)
+    assert set(re.findall(r'kernel_name = "(\w+)"', text)) == SPLASH_KERNELS
+    # Three kernels (forward, dkv, dq) in shared functions; each layer calls the forward
+    # and the backward once.
+    assert splash_counts(text) == (3, 2 * config.num_layers)
+    # Per layer: the forward's shard_map and its transpose, each on one device's block (on
+    # one device a shard_map lowers to its body).
+    blocks = 0 if mesh.size == 1 else 2 * config.num_layers
+    assert shard_shapes(text) == [expected_shard(mesh, 128, config)] * blocks
+
+
+@pytest.mark.parametrize(
+    "mesh_name", [pytest.param("data4", marks=pytest.mark.slow), "data4xtensor2"]
+)
+def test_splash_partitions_inside_the_once_reduction(mesh_name):
+    """gradient_reduction='once' runs the step manual over `data` already; the kernel's
+    shard_map takes the other axes."""
+    config = BertConfig.preset(
+        "tiny", vocab_size=128, attention="splash", attention_dropout=0.0, scan_layers=False
+    )
+    mesh = device_mesh(mesh_name)
+    text = lowered_train_step(config, "tpu", packed=True, mesh=mesh, once=True)
+    assert splash_counts(text) == (3, 2 * config.num_layers)
+    assert expected_shard(mesh, 128, config) in shard_shapes(text)
+
+
+def test_splash_without_a_context_mesh_does_not_partition():
+    """The reason for the context mesh: jitted on 4 devices with none, splash cannot lower."""
+    config = BertConfig.preset(
+        "tiny", vocab_size=128, attention="splash", attention_dropout=0.0, scan_layers=False
+    )
+    mesh = device_mesh("data4")
+    with pytest.raises(NotImplementedError, match="Mosaic kernels cannot be automatically"):
+        with mock.patch.object(jax, "set_mesh", lambda mesh: contextlib.nullcontext()):
+            lowered_train_step(config, "tpu", mesh=mesh)
+
+
+@pytest.mark.parametrize(
+    "mesh_name, packed",
+    mesh_cases(["data4", "fsdp4", "data8", "data4xtensor2"], fast={("data4xtensor2", True)}),
+)
+def test_cudnn_partitions_over_multi_device_meshes(cudnn_version_check_passes, mesh_name, packed):
+    """cuDNN on several GPUs: under shard_map each device's call is the cuDNN kernel itself
+    on its block (without it JAX defers to custom partitioning rules that run only when a
+    GPU compiles the step, where this host cannot look)."""
+    config = BertConfig.preset(
+        "tiny", vocab_size=128, attention="cudnn", attention_dropout=0.0, scan_layers=False
+    )
+    mesh = device_mesh(mesh_name)
+    text = lowered_train_step(config, "cuda", packed=packed, mesh=mesh)
+    forward = re.findall(r'custom_call @"?__cudnn\$fmha\w*Softmax"?\(', text)
+    backward = re.findall(r'custom_call @"?__cudnn\$fmha\w*SoftmaxBackward"?\(', text)
+    assert (len(forward), len(backward)) == (config.num_layers, config.num_layers)
+    assert "CustomSPMDPartitioning" not in text
+    assert shard_shapes(text) == [expected_shard(mesh, 128, config)] * (2 * config.num_layers)
 
 
 def test_a_fused_kernel_refuses_an_attention_einsum():

@@ -291,6 +291,30 @@ def test_bad_top_level_configs_name_the_value():
         load(CONFIG_FILES[0], "huge")
 
 
+def test_mesh_dcn_places_axes_across_slices():
+    """On 2 slices of 4 devices: data across the slices (dcn), fsdp within each; a phase's
+    mesh override keeps the run's dcn."""
+    config = default()
+    config.mesh.update(data=2, fsdp=-1)
+    config.mesh.dcn.data = 2
+    config.phases.phase2.mesh.update(data=4, fsdp=2)
+    plan = plan_lib.resolve(config, vocab_size=config.data.vocab_size, num_devices=8, num_slices=2)
+    assert [dict(p.mesh) for p in plan.phases] == [
+        {"stage": 1, "data": 2, "fsdp": 4, "tensor": 1},
+        {"stage": 1, "data": 4, "fsdp": 2, "tensor": 1},
+    ]
+    assert [p.mesh_dcn["data"] for p in plan.phases] == [2, 2]
+    with pytest.raises(config_lib.ConfigError, match="form 2 TPU slices and mesh.dcn places no"):
+        config.mesh.dcn.data = 1
+        plan_lib.resolve(config, vocab_size=config.data.vocab_size, num_devices=8, num_slices=2)
+    with pytest.raises(
+        config_lib.ConfigError,
+        match=r"phases.phase1: mesh.dcn \{'data': 2\} spans 2 slices but the devices form 1",
+    ):
+        config.mesh.dcn.data = 2
+        validate(config, num_devices=8)
+
+
 @pytest.mark.parametrize("impl", ["threefry", "rbg", "unsafe_rbg"])
 def test_the_plan_holds_the_prng_impl_and_its_keys_use_it(impl):
     config = default()
