@@ -173,7 +173,9 @@ def _start_params(config, start, model_config, task) -> dict:
 
 
 def build_setup(config, workdir: str) -> FinetuneSetup:
-    mesh = sharding.make_mesh(dict(config.mesh))
+    # Fine-tuning is data parallel: on several TPU slices the data axis crosses them.
+    slices = sharding.slice_count(jax.devices())
+    mesh = sharding.make_mesh(dict(config.mesh), dcn={"data": slices})
     config_lib.validate(config, mesh.shape["data"] * mesh.shape["fsdp"], jax.process_count())
     start = init_lib.load(config.init)
     vocab_file = _vocabulary(config, start, workdir)
