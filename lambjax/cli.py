@@ -31,9 +31,9 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "0")
 
 
-def fail(program: str, message: str) -> NoReturn:
+def fail(program: str, message: str, status: int = 2) -> NoReturn:
     print(f"{program}: error: {message}", file=sys.stderr)
-    sys.exit(2)
+    sys.exit(status)
 
 
 def define_run_flags(config_help: str, workdir_help: str):

@@ -6,6 +6,11 @@ r"""Entry point: pretrain BERT with the config given on the command line.
 On a pod every host runs the same command; JAX's distributed runtime is initialised from the
 environment (TPU VM, SLURM) or from --coordinator_address/--num_processes/--process_id.
 Rerunning a command continues its run from the last checkpoint in --workdir.
+
+Exit status: 0 when the run finished or stopped on request (SIGTERM, a preemption notice);
+2 for a mistake in the command (one line says which); 75 when a checkpoint could not be
+written (a full disk, a bucket refusing writes: one line says where and what to do; the
+same command continues the run once that is fixed).
 """
 
 from absl import app, logging
@@ -25,7 +30,7 @@ def main(argv):
 
     from lambjax.data import DataError
     from lambjax.train import trainer
-    from lambjax.train.checkpointing import CheckpointMismatch
+    from lambjax.train.checkpointing import SAVE_FAILED_STATUS, CheckpointMismatch, SaveFailed
     from lambjax.train.config import ConfigError
     from lambjax.train.phases import MissingPhaseCheckpoint
     from lambjax.train.workdir import WorkdirError
@@ -53,6 +58,8 @@ def main(argv):
         trainer.train_and_evaluate(_CONFIG.value, _WORKDIR.value)
     except user_errors as error:  # one line (per differing field), not a traceback
         cli.fail("lambjax", str(error))
+    except SaveFailed as error:  # a full disk, a bucket refusing writes: rerun once fixed
+        cli.fail("lambjax", str(error), SAVE_FAILED_STATUS)
 
 
 if __name__ == "__main__":

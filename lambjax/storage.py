@@ -112,6 +112,23 @@ def check_reachable(path: str, flag: str) -> None:
         raise StorageError(message) from error
 
 
+def free_space(path) -> str:
+    """How much room is left where `path` is, for a message: '1.2 MB free on /mnt/run'."""
+    if is_remote(path):
+        return "a bucket has no free-space limit; its quota or permissions may"
+    folder = os.path.abspath(os.fspath(path))
+    while not os.path.exists(folder) and os.path.dirname(folder) != folder:
+        folder = os.path.dirname(folder)
+    try:
+        free = shutil.disk_usage(folder).free
+    except OSError as error:
+        return f"the free space of {folder} is unknown ({reason(error)})"
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if free >= scale:
+            return f"{free / scale:.1f} {unit} free on {folder}"
+    return f"{free} bytes free on {folder}"
+
+
 def write_text(path, text: str) -> None:
     """Writes a file so that it is never seen half-written: on GCS an object upload is atomic
     (the object appears whole when the upload ends); on local disk, through a temporary file
