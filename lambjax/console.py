@@ -17,6 +17,7 @@ leaves no file behind; the file then receives them all.
 import logging as std_logging
 import logging.handlers
 import os
+import sys
 import tempfile
 
 from absl import flags
@@ -36,6 +37,13 @@ _NOISY_MESSAGES = (
     "CheckpointManagerOptions.read_only=True",
     "Given directory is read only",
     "Metadata file does not exist",
+    # Orbax, as a checkpoint save fails (a full disk): each error with its traceback, which
+    # lambjax's own line (lambjax.train.checkpointing.SaveFailed) replaces.
+    "_SignalingThread.run() raised an exception",
+    "Handler Commit operations or the Commit callback in background save thread",
+    "Save Finalize thread (save_finalize) failed",
+    # gcsfs, when a bucket keeps failing a request (lambjax's own line says what failed).
+    "out of retries on exception",
 )
 
 
@@ -58,8 +66,15 @@ def is_lambjax(record: std_logging.LogRecord) -> bool:
     return os.path.abspath(record.pathname).startswith(_PACKAGE)
 
 
+# `logging.info(..., extra=FILE_ONLY)`: a record for the log file only (a traceback that a
+# one-line message on the console already explains).
+FILE_ONLY = {"file_only": True}
+
+
 def console_filter(record: std_logging.LogRecord) -> bool:
     """What reaches the console: lambjax's lines, and warnings that are not known noise."""
+    if getattr(record, "file_only", False):
+        return False
     if is_lambjax(record):
         return True
     if record.levelno < std_logging.WARNING:
@@ -86,11 +101,25 @@ def setup() -> None:
         handler.setFormatter(ConsoleFormatter())
         handler.addFilter(console_filter)
     std_logging.captureWarnings(True)  # Python warnings: to the log file, not the console
+    if not verbose:
+        sys.unraisablehook = log_unraisable
     if _Setup.buffer is None and _Setup.file_handler is None:
         _Setup.buffer = logging.handlers.MemoryHandler(
             capacity=100_000, flushLevel=std_logging.CRITICAL + 1, flushOnClose=False
         )
         std_logging.root.addHandler(_Setup.buffer)
+
+
+def log_unraisable(unraisable) -> None:
+    """Exceptions that Python cannot raise (in a finaliser, or a library's callback: Orbax's
+    writes still in flight when a failed save closed their event loop, one traceback each)
+    go to the log file, not the console."""
+    std_logging.getLogger("lambjax").warning(
+        "Exception ignored in %r",
+        unraisable.object,
+        exc_info=(unraisable.exc_type, unraisable.exc_value, unraisable.exc_traceback),
+        extra=FILE_ONLY,
+    )
 
 
 def log_to_file(directory: str, name: str) -> str:

@@ -36,7 +36,7 @@ import orbax.checkpoint as ocp
 from absl import logging
 from etils import epath
 
-from lambjax import distributed, storage
+from lambjax import console, distributed, storage
 from lambjax.train import integrity
 
 # The exit status of a command whose checkpoint could not be written (sysexits.h's
@@ -118,7 +118,7 @@ class PhaseCheckpoints:
             self._manager.close()
 
     def _save_failed(self, error: Exception) -> SaveFailed:
-        logging.info("The checkpoint save failed:", exc_info=error)  # the log file keeps it
+        logging.info("The checkpoint save failed:", exc_info=error, extra=console.FILE_ONLY)
         kept = list(self._manager.all_steps())
         resume = (
             f"it continues from the last complete checkpoint, {self.directory / str(max(kept))}"
