@@ -171,14 +171,17 @@ def _handler(proxy: FaultProxy):
             self.reply(status, answer, payload, head=self.command == "HEAD")
 
         def reply(self, status: int, headers, payload: bytes, head: bool = False):
-            self.send_response(status)
-            for key, value in headers:
-                self.send_header(key, value)
-            if not head:  # a HEAD answer keeps the emulator's Content-Length
-                self.send_header("Content-Length", str(len(payload)))
-            self.end_headers()
-            if not head:
-                self.wfile.write(payload)
+            try:
+                self.send_response(status)
+                for key, value in headers:
+                    self.send_header(key, value)
+                if not head:  # a HEAD answer keeps the emulator's Content-Length
+                    self.send_header("Content-Length", str(len(payload)))
+                self.end_headers()
+                if not head:
+                    self.wfile.write(payload)
+            except (BrokenPipeError, ConnectionResetError):  # the client read what it needed
+                self.close_connection = True
 
         do_GET = do_POST = do_PUT = do_DELETE = do_PATCH = do_HEAD = handle_any
 
