@@ -110,6 +110,13 @@ def setup() -> None:
         std_logging.root.addHandler(_Setup.buffer)
 
 
+class LogFileHandler(std_logging.FileHandler):
+    def handleError(self, record: std_logging.LogRecord) -> None:
+        """A record that cannot be written (the disk is full) is dropped, without the dozen
+        lines of traceback `logging` would print: the console has the run's own lines,
+        among them the one that says the disk is full."""
+
+
 def log_unraisable(unraisable) -> None:
     """Exceptions that Python cannot raise (in a finaliser, or a library's callback: Orbax's
     writes still in flight when a failed save closed their event loop, one traceback each)
@@ -136,7 +143,7 @@ def log_to_file(directory: str, name: str) -> str:
         folder = directory
         path = os.path.join(directory, name)
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    file_handler = std_logging.FileHandler(path, encoding="utf-8")
+    file_handler = LogFileHandler(path, encoding="utf-8")
     file_handler.setFormatter(absl_logging.PythonFormatter())
     if _Setup.buffer is not None:
         _Setup.buffer.setTarget(file_handler)

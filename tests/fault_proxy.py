@@ -20,6 +20,7 @@ import json
 import random
 import socket
 import struct
+import sys
 import threading
 import time
 from collections import Counter
@@ -54,7 +55,7 @@ class FaultProxy:
         self._lock = threading.Lock()
         self.share, self.kinds, self.match, self.stall_s = 0.0, KINDS, every, 2.0
         self.counts: Counter = Counter()  # "forwarded", and each kind injected
-        self._server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _handler(self))
+        self._server = _Server(("127.0.0.1", 0), _handler(self))
         self._server.daemon_threads = True
         self.url = f"http://127.0.0.1:{self._server.server_address[1]}"
         self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
@@ -122,6 +123,13 @@ class FaultProxy:
     def stop(self) -> None:
         self._server.shutdown()
         self._server.server_close()
+
+
+class _Server(http.server.ThreadingHTTPServer):
+    def handle_error(self, request, client_address):
+        """Quiet for the connections the proxy resets and those a client dropped."""
+        if not isinstance(sys.exc_info()[1], (ConnectionError, OSError)):
+            super().handle_error(request, client_address)
 
 
 def _handler(proxy: FaultProxy):

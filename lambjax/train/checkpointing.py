@@ -19,9 +19,9 @@ stops with CheckpointMismatch and the checkpoint stays where it is.
 A save that fails (a full disk, a bucket that refuses writes) raises SaveFailed, one line with
 the folder, its free space and what to do; the commands exit with SAVE_FAILED_STATUS. The
 checkpoints before it are untouched: Orbax writes each into a temporary folder
-(`STEP.orbax-checkpoint-tmp*`, on local disk) that becomes the checkpoint only once complete,
-and such a folder left by a failed or killed save is removed when the phase's checkpoints are
-next opened.
+(`STEP.orbax-checkpoint-tmp*`) that becomes the checkpoint only once complete (on GCS, which
+has no rename, into `STEP/` and marks it complete with `commit_success.txt`), and what a
+failed or killed save left is removed when the phase's checkpoints are next opened.
 """
 
 import dataclasses
@@ -245,12 +245,18 @@ def verify(path, meta: dict, state) -> None:
 
 
 def remove_unfinished_saves(directory: epath.Path) -> None:
-    """Deletes the temporary folders of saves that never completed (failed or killed); each
-    holds a part of a checkpoint that no restore reads."""
+    """Deletes what saves that never completed (failed or killed) left: a temporary folder
+    on local disk, or on GCS (no rename there) a step folder without Orbax's
+    `commit_success.txt`. No restore reads either."""
     if not directory.is_dir():
         return
     for path in sorted(directory.iterdir()):
-        if _UNFINISHED in path.name:
+        unfinished = _UNFINISHED in path.name or (
+            storage.is_remote(path)
+            and path.name.isdigit()
+            and not (path / "commit_success.txt").exists()
+        )
+        if unfinished:
             logging.info("Removing %s, the unfinished save of an earlier run.", path)
             path.rmtree(missing_ok=True)
 
