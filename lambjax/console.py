@@ -30,6 +30,9 @@ _PACKAGE = os.path.dirname(os.path.abspath(__file__)) + os.sep
 # Warnings that say nothing a user can act on (they stay in the log file).
 _NOISY_LOGGERS = ("apache_beam", "py.warnings")
 _NOISY_PATH = f"{os.sep}apache_beam{os.sep}"  # Beam also logs through the root logger
+# Orbax logs a failed save or restore as errors with tracebacks; lambjax says what happened in
+# a line of its own (a checkpoint set aside, a save that failed: exit status 75).
+_EXPLAINED_PATH = f"{os.sep}orbax{os.sep}"
 _NOISY_MESSAGES = (
     "differ on disk and in the code",  # TFDS: dataset_info of our own builder
     "AdaptiveReadaheadCache",  # fsspec/gcsfs, one per opened gs:// file
@@ -37,11 +40,12 @@ _NOISY_MESSAGES = (
     "CheckpointManagerOptions.read_only=True",
     "Given directory is read only",
     "Metadata file does not exist",
-    # Orbax, as a checkpoint save fails (a full disk): each error with its traceback, which
-    # lambjax's own line (lambjax.train.checkpointing.SaveFailed) replaces.
+    # Orbax, as a checkpoint save fails (a full disk), which lambjax's own line
+    # (lambjax.train.checkpointing.SaveFailed) replaces.
     "_SignalingThread.run() raised an exception",
     "Handler Commit operations or the Commit callback in background save thread",
     "Save Finalize thread (save_finalize) failed",
+    "Failed to write metadata=",
     # gcsfs, when a bucket keeps failing a request (lambjax's own line says what failed).
     "out of retries on exception",
 )
@@ -80,6 +84,8 @@ def console_filter(record: std_logging.LogRecord) -> bool:
     if record.levelno < std_logging.WARNING:
         return False
     if _NOISY_PATH in record.pathname:
+        return False
+    if record.exc_info and _EXPLAINED_PATH in record.pathname:
         return False
     if any(record.name == n or record.name.startswith(n + ".") for n in _NOISY_LOGGERS):
         return False
