@@ -17,6 +17,7 @@ leaves no file behind; the file then receives them all.
 import logging as std_logging
 import logging.handlers
 import os
+import sys
 import tempfile
 
 from absl import flags
@@ -29,6 +30,9 @@ _PACKAGE = os.path.dirname(os.path.abspath(__file__)) + os.sep
 # Warnings that say nothing a user can act on (they stay in the log file).
 _NOISY_LOGGERS = ("apache_beam", "py.warnings")
 _NOISY_PATH = f"{os.sep}apache_beam{os.sep}"  # Beam also logs through the root logger
+# Orbax logs a failed save or restore as errors with tracebacks; lambjax says what happened in
+# a line of its own (a checkpoint set aside, a save that failed: exit status 75).
+_EXPLAINED_PATH = f"{os.sep}orbax{os.sep}"
 _NOISY_MESSAGES = (
     "differ on disk and in the code",  # TFDS: dataset_info of our own builder
     "AdaptiveReadaheadCache",  # fsspec/gcsfs, one per opened gs:// file
@@ -36,6 +40,14 @@ _NOISY_MESSAGES = (
     "CheckpointManagerOptions.read_only=True",
     "Given directory is read only",
     "Metadata file does not exist",
+    # Orbax, as a checkpoint save fails (a full disk), which lambjax's own line
+    # (lambjax.train.checkpointing.SaveFailed) replaces.
+    "_SignalingThread.run() raised an exception",
+    "Handler Commit operations or the Commit callback in background save thread",
+    "Save Finalize thread (save_finalize) failed",
+    "Failed to write metadata=",
+    # gcsfs, when a bucket keeps failing a request (lambjax's own line says what failed).
+    "out of retries on exception",
 )
 
 
@@ -58,13 +70,22 @@ def is_lambjax(record: std_logging.LogRecord) -> bool:
     return os.path.abspath(record.pathname).startswith(_PACKAGE)
 
 
+# `logging.info(..., extra=FILE_ONLY)`: a record for the log file only (a traceback that a
+# one-line message on the console already explains).
+FILE_ONLY = {"file_only": True}
+
+
 def console_filter(record: std_logging.LogRecord) -> bool:
     """What reaches the console: lambjax's lines, and warnings that are not known noise."""
+    if getattr(record, "file_only", False):
+        return False
     if is_lambjax(record):
         return True
     if record.levelno < std_logging.WARNING:
         return False
     if _NOISY_PATH in record.pathname:
+        return False
+    if record.exc_info and _EXPLAINED_PATH in record.pathname:
         return False
     if any(record.name == n or record.name.startswith(n + ".") for n in _NOISY_LOGGERS):
         return False
@@ -86,11 +107,32 @@ def setup() -> None:
         handler.setFormatter(ConsoleFormatter())
         handler.addFilter(console_filter)
     std_logging.captureWarnings(True)  # Python warnings: to the log file, not the console
+    if not verbose:
+        sys.unraisablehook = log_unraisable
     if _Setup.buffer is None and _Setup.file_handler is None:
         _Setup.buffer = logging.handlers.MemoryHandler(
             capacity=100_000, flushLevel=std_logging.CRITICAL + 1, flushOnClose=False
         )
         std_logging.root.addHandler(_Setup.buffer)
+
+
+class LogFileHandler(std_logging.FileHandler):
+    def handleError(self, record: std_logging.LogRecord) -> None:
+        """A record that cannot be written (the disk is full) is dropped, without the dozen
+        lines of traceback `logging` would print: the console has the run's own lines,
+        among them the one that says the disk is full."""
+
+
+def log_unraisable(unraisable) -> None:
+    """Exceptions that Python cannot raise (in a finaliser, or a library's callback: Orbax's
+    writes still in flight when a failed save closed their event loop, one traceback each)
+    go to the log file, not the console."""
+    std_logging.getLogger("lambjax").warning(
+        "Exception ignored in %r",
+        unraisable.object,
+        exc_info=(unraisable.exc_type, unraisable.exc_value, unraisable.exc_traceback),
+        extra=FILE_ONLY,
+    )
 
 
 def log_to_file(directory: str, name: str) -> str:
@@ -107,7 +149,7 @@ def log_to_file(directory: str, name: str) -> str:
         folder = directory
         path = os.path.join(directory, name)
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    file_handler = std_logging.FileHandler(path, encoding="utf-8")
+    file_handler = LogFileHandler(path, encoding="utf-8")
     file_handler.setFormatter(absl_logging.PythonFormatter())
     if _Setup.buffer is not None:
         _Setup.buffer.setTarget(file_handler)

@@ -8,7 +8,9 @@ vocabulary as `vocab.txt`, `tokenizer.json` (the `tokenizers` WordPiece tokenize
 trains and reads with), `tokenizer_config.json` and `special_tokens_map.json`, so that
 transformers tokenizes as the run did (its lower-casing, its special tokens, the model's
 maximum length). The newest checkpoint is that of the last phase (in the run's
-`phase_order`) that has one; the arrays are read onto the host, whatever mesh wrote them.
+`phase_order`) that has a readable one (a checkpoint whose arrays differ from the digests its
+save recorded is refused, with a line, like an unreadable one); the arrays are read onto the
+host, whatever mesh wrote them.
 Paths may be relative, absolute or gs:// URLs (written in a local folder, then copied). A DIR
 that holds files is refused unless --overwrite.
 """
@@ -60,7 +62,8 @@ def export_workdir(workdir: str, out: str, *, overwrite: bool = False) -> str:
     tokenizer = (
         "with its tokenizer" if vocab else f"without a tokenizer ({meta.get('vocab_file')} is gone)"
     )
-    return f"{meta['phase']} of {workdir} ({config.num_layers} layers) -> {out}, {tokenizer}"
+    source = f"{meta['phase']} (step {meta['step']}) of {workdir}"
+    return f"{source} ({config.num_layers} layers) -> {out}, {tokenizer}"
 
 
 def main(argv):

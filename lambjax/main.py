@@ -6,6 +6,12 @@ r"""Entry point: pretrain BERT with the config given on the command line.
 On a pod every host runs the same command; JAX's distributed runtime is initialised from the
 environment (TPU VM, SLURM) or from --coordinator_address/--num_processes/--process_id.
 Rerunning a command continues its run from the last checkpoint in --workdir.
+
+Exit status: 0 when the run finished or stopped on request (SIGTERM, a preemption notice);
+2 for a mistake in the command (one line says which); 3 when the loss stayed non-finite
+(one line names the checkpoint kept, the last finite state); 75 when a checkpoint could not be
+written (a full disk, a bucket refusing writes: one line says where and what to do; the
+same command continues the run once that is fixed).
 """
 
 from absl import app, logging
@@ -25,7 +31,7 @@ def main(argv):
 
     from lambjax.data import DataError
     from lambjax.train import trainer
-    from lambjax.train.checkpointing import CheckpointMismatch
+    from lambjax.train.checkpointing import SAVE_FAILED_STATUS, CheckpointMismatch, SaveFailed
     from lambjax.train.config import ConfigError
     from lambjax.train.phases import MissingPhaseCheckpoint
     from lambjax.train.workdir import WorkdirError
@@ -54,6 +60,8 @@ def main(argv):
         cli.fail("lambjax", str(error))
     except trainer.TrainingStopped as error:  # the loss diverged: one line, its own status
         cli.fail("lambjax", str(error), trainer.DIVERGED_STATUS)
+    except SaveFailed as error:  # a full disk, a bucket refusing writes: rerun once fixed
+        cli.fail("lambjax", str(error), SAVE_FAILED_STATUS)
 
 
 if __name__ == "__main__":

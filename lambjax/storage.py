@@ -42,6 +42,7 @@ import shutil
 import tempfile
 import time
 
+from absl import logging
 from etils import epath
 
 
@@ -110,6 +111,23 @@ def check_reachable(path: str, flag: str) -> None:
     except Exception as error:  # noqa: BLE001 - gcsfs raises OSError, HttpError, ValueError
         message = f"{flag}={path}: bucket {bucket!r} cannot be listed: {reason(error)}"
         raise StorageError(message) from error
+
+
+def free_space(path) -> str:
+    """How much room is left where `path` is, for a message: '1.2 MB free on /mnt/run'."""
+    if is_remote(path):
+        return "a bucket has no free-space limit; its quota or permissions may"
+    folder = os.path.abspath(os.fspath(path))
+    while not os.path.exists(folder) and os.path.dirname(folder) != folder:
+        folder = os.path.dirname(folder)
+    try:
+        free = shutil.disk_usage(folder).free
+    except OSError as error:
+        return f"the free space of {folder} is unknown ({reason(error)})"
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if free >= scale:
+            return f"{free / scale:.1f} {unit} free on {folder}"
+    return f"{free} bytes free on {folder}"
 
 
 def write_text(path, text: str) -> None:
@@ -209,24 +227,44 @@ class Mirror:
             source.copy(target, overwrite=True)
             self._uploaded[name] = _signature(target)
 
-    def sync(self, force: bool = True) -> None:
+    def sync(self, force: bool = True) -> bool:
         """Uploads the files that changed since the last sync (if `interval_s` has passed,
-        or always when `force`)."""
+        or always when `force`); whether every changed file reached `remote`.
+
+        A file that cannot be uploaded (the bucket keeps failing after gcsfs's retries) is
+        named in one warning and uploaded again at the next sync: the training goes on, and
+        the checkpoint save that follows a forced sync meets the same bucket."""
         if not force and time.monotonic() - self._last_sync < self.interval_s:
-            return
+            return True
         self._last_sync = time.monotonic()
+        failed = []
         for path in files_under(self.local):
             name = os.fspath(path.relative_to(self.local))
             signature = _signature(path)
             if self._uploaded.get(name) == signature:
                 continue
             target = self.remote / name
-            target.parent.mkdir(parents=True, exist_ok=True)
-            path.copy(target, overwrite=True)
+            try:
+                target.parent.mkdir(parents=True, exist_ok=True)
+                path.copy(target, overwrite=True)
+            except Exception as error:  # noqa: BLE001 - gcsfs raises OSError, HttpError, ...
+                failed.append(f"{name} ({reason(error)})")
+                continue
             self._uploaded[name] = signature
+        if failed:
+            logging.warning(
+                "Could not copy %s to %s; trying again at the next sync.",
+                ", ".join(failed),
+                self.remote,
+            )
+        return not failed
 
     def remove_local(self) -> None:
-        """Deletes the local folder (after a last `sync`)."""
+        """Deletes the local folder (after a last `sync`), unless files in it never reached
+        the bucket: then it is kept, and named."""
+        if not self.sync():
+            logging.warning("The files above stay in %s.", self.local)
+            return
         shutil.rmtree(self.local, ignore_errors=True)
 
 

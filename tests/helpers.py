@@ -1,6 +1,7 @@
 """What several test modules share: a random pretraining batch, a FLOP count of traced
 matmuls, and running lambjax's commands as subprocesses, as a user starts them."""
 
+import json
 import os
 import subprocess
 import sys
@@ -116,6 +117,30 @@ def losses(workdir: str) -> dict[int, float]:
     """The logged training loss of every step, from the run's metrics.jsonl."""
     records = read_jsonl(os.path.join(workdir, "metrics.jsonl"))
     return {step: r["train/loss"] for step, r in sorted(records.items()) if "train/loss" in r}
+
+
+def tensorboard_scalars(logdir: str, tag: str) -> dict[int, float]:
+    """{step: value} of a scalar as TensorBoard shows it (its Python loader, which discards
+    the events that a restart orphaned)."""
+    from tensorboard.backend.event_processing import plugin_event_accumulator as loader
+    from tensorboard.util import tensor_util
+
+    accumulator = loader.EventAccumulator(logdir, tensor_size_guidance={tag: 0})
+    accumulator.Reload()
+    return {
+        event.step: float(tensor_util.make_ndarray(event.tensor_proto))
+        for event in accumulator.Tensors(tag)
+    }
+
+
+def logged_steps(workdir: str) -> list[int]:
+    """The steps of metrics.jsonl's train rows, in file order (a resumed run's included)."""
+    path = os.path.join(workdir, "metrics.jsonl")
+    if not os.path.exists(path):
+        return []
+    with open(path, encoding="utf-8") as f:
+        rows = [json.loads(line) for line in f if line.endswith("\n")]
+    return [row["step"] for row in rows if "train/loss" in row]
 
 
 def wait_for_checkpoint(workdir, phase, step, process, timeout=300):

@@ -7,7 +7,8 @@ r"""Fine-tune and evaluate on SQuAD or GLUE.
 
 Rerunning a command continues its run from the last checkpoint in --workdir. On a pod every
 host runs the same command (see lambjax.main for the distributed flags). Bad input (a missing
-file, malformed data, an unknown task) ends with one line on stderr and exit status 2.
+file, malformed data, an unknown task) ends with one line on stderr and exit status 2; a
+checkpoint that cannot be written (a full disk), with one line and exit status 75.
 """
 
 from absl import app
@@ -24,12 +25,14 @@ def main(argv):
 
     from lambjax.data import DataError
     from lambjax.finetune import loop
-    from lambjax.train.checkpointing import CheckpointMismatch
+    from lambjax.train.checkpointing import SAVE_FAILED_STATUS, CheckpointMismatch, SaveFailed
 
     try:
         loop.finetune(_CONFIG.value, _WORKDIR.value)
     except (DataError, CheckpointMismatch, storage.StorageError) as error:  # incl. FinetuneError
         cli.fail("lambjax.finetune", str(error))
+    except SaveFailed as error:  # a full disk, a bucket refusing writes: rerun once fixed
+        cli.fail("lambjax.finetune", str(error), SAVE_FAILED_STATUS)
 
 
 if __name__ == "__main__":

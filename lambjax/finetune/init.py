@@ -2,7 +2,8 @@
 
   workdir:PATH    a lambjax pretraining workdir: the parameters of the last phase (in its
                   phase_order) whose final checkpoint exists, and the run's vocabulary and
-                  lower_case;
+                  lower_case (a checkpoint that is unreadable, or whose arrays differ from
+                  the digests its save recorded, is refused);
   hf:PATH         a transformers BERT directory (BertModel, BertForPreTraining, or a
                   fine-tuned one) with its vocab.txt, and do_lower_case from
                   tokenizer_config.json when it is there;
@@ -83,7 +84,14 @@ def from_workdir(workdir: str) -> Start:
             "(no final checkpoint); let pretraining finish a phase first"
         )
     _, phase, step, meta, path = finished[-1]
-    state = checkpointing.read_state_on_host(path / "state")
+    try:
+        state = checkpointing.read_verified_state(path, meta)
+    except Exception as error:  # noqa: BLE001 - Orbax, tensorstore and the digests raise alike
+        raise FinetuneError(
+            f"config.init=workdir:{workdir}: checkpoint {path} cannot be used "
+            f"({type(error).__name__}: {storage.reason(error)}); rerun the pretraining command "
+            "on that workdir: it sets the checkpoint aside and trains again from the one before"
+        ) from error
     config = BertConfig.from_dict(meta["model_config"])
     run_config = json.loads(meta["config"])
     vocab = meta.get("vocab_file")

@@ -315,6 +315,7 @@ def finetune(config, workdir: str) -> dict:
     from lambjax.train import metrics as metrics_lib
 
     writer = metrics_lib.create_writer(workdir)
+    writer.resume_from(step)  # rows an interrupted run logged after the checkpoint go
     stop = distributed.StopRequest()
     try:
         job = FinetuneJob(config, setup, steps, writer, ckpt, meta, first_step=step)

@@ -9,13 +9,23 @@ Restore order, for the phase about to run:
   2. else the previous phase's final checkpoint (parameters, and optimizer moments if the
      phase keeps them: the phase transition);
   3. else a fresh initialisation.
-A checkpoint that cannot be read (corrupt or incomplete) is moved aside, never deleted, with a
-warning, and the one before it is used. A checkpoint that reads but holds a state of other
+A checkpoint that cannot be read (corrupt or incomplete), or whose arrays differ from the
+digests its save recorded (lambjax.train.integrity), is moved aside, never deleted, with a
+warning, and the one before it is used; one written before digests were recorded restores with
+a line that says so. A checkpoint that reads but holds a state of other
 shapes than the config builds (another model, another optimizer) is not unreadable: the run
 stops with CheckpointMismatch and the checkpoint stays where it is.
+
+A save that fails (a full disk, a bucket that refuses writes) raises SaveFailed, one line with
+the folder, its free space and what to do; the commands exit with SAVE_FAILED_STATUS. The
+checkpoints before it are untouched: Orbax writes each into a temporary folder
+(`STEP.orbax-checkpoint-tmp*`) that becomes the checkpoint only once complete (on GCS, which
+has no rename, into `STEP/` and marks it complete with `commit_success.txt`), and what a
+failed or killed save left is removed when the phase's checkpoints are next opened.
 """
 
 import dataclasses
+import errno
 import json
 import time
 from typing import Any
@@ -26,11 +36,22 @@ import orbax.checkpoint as ocp
 from absl import logging
 from etils import epath
 
-from lambjax import distributed, storage
+from lambjax import console, distributed, storage
+from lambjax.train import integrity
+
+# The exit status of a command whose checkpoint could not be written (sysexits.h's
+# EX_TEMPFAIL: rerunning once the cause is fixed continues the run); a bad config exits 2.
+SAVE_FAILED_STATUS = 75
+
+_UNFINISHED = ".orbax-checkpoint-tmp"  # in the name of the folder of a save in progress
 
 
 class CheckpointMismatch(ValueError):
     """A readable checkpoint whose state does not fit the state the config builds."""
+
+
+class SaveFailed(OSError):
+    """A checkpoint could not be written; the message is one line for the user."""
 
 
 @dataclasses.dataclass
@@ -52,6 +73,8 @@ class PhaseCheckpoints:
         self.directory = checkpoint_dir(workdir, phase_name)
         self._max_to_keep = max_to_keep
         self._async_save = async_save
+        if jax.process_index() == 0:
+            remove_unfinished_saves(self.directory)
         self._manager = self._open()
 
     def _open(self) -> ocp.CheckpointManager:
@@ -68,20 +91,46 @@ class PhaseCheckpoints:
         return list(self._manager.all_steps())
 
     def save(self, step: int, state, data_state: dict, meta: dict) -> None:
+        """Starts writing checkpoint `step` (in the background if asynchronous); raises
+        SaveFailed if it, or the asynchronous save before it, cannot be written."""
         if step in self._manager.all_steps():
             return  # already saved (e.g. the phase end right after a periodic save)
-        self._manager.save(
-            step,
-            args=ocp.args.Composite(
-                state=ocp.args.StandardSave(state),
-                data=ocp.args.JsonSave(data_state),
-                meta=ocp.args.JsonSave(meta),
-            ),
-        )
+        meta = {**meta, integrity.DIGESTS: integrity.digests(state)}
+        try:
+            self._manager.save(
+                step,
+                args=ocp.args.Composite(
+                    state=ocp.args.StandardSave(state),
+                    data=ocp.args.JsonSave(data_state),
+                    meta=ocp.args.JsonSave(meta),
+                ),
+            )
+        except Exception as error:  # noqa: BLE001 - every storage layer raises its own type
+            raise self._save_failed(error) from error
 
     def close(self) -> None:
-        self._manager.wait_until_finished()
-        self._manager.close()
+        """Waits for an asynchronous save to finish (SaveFailed if it could not)."""
+        try:
+            self._manager.wait_until_finished()
+        except Exception as error:  # noqa: BLE001 - every storage layer raises its own type
+            raise self._save_failed(error) from error
+        finally:
+            self._manager.close()
+
+    def _save_failed(self, error: Exception) -> SaveFailed:
+        logging.info("The checkpoint save failed:", exc_info=error, extra=console.FILE_ONLY)
+        kept = list(self._manager.all_steps())
+        resume = (
+            f"it continues from the last complete checkpoint, {self.directory / str(max(kept))}"
+            if kept
+            else "it starts the phase again (no checkpoint of it is complete)"
+        )
+        reason = save_failure_reason(error)
+        return SaveFailed(
+            f"a checkpoint could not be written to {self.directory} ({reason}); "
+            f"{storage.free_space(self.directory)}. Make room there (or fix the bucket's "
+            f"access) and rerun the same command: {resume}"
+        )
 
     def restore_latest(self, abstract_state, *, step: int | None = None) -> Restored | None:
         """Restores the newest readable checkpoint (at most `step`) onto `abstract_state`.
@@ -113,6 +162,11 @@ class PhaseCheckpoints:
             except Exception as error:  # noqa: BLE001 - any unreadable checkpoint is skipped
                 self._quarantine(latest, error)
                 continue
+            try:
+                verify(self.directory / str(latest), restored.meta, restored.state)
+            except integrity.IntegrityError as error:
+                self._quarantine(latest, error)
+                continue
             return Restored(latest, restored.state, restored.data, restored.meta)
 
     def _quarantine(self, step: int, error: Exception) -> None:
@@ -124,7 +178,7 @@ class PhaseCheckpoints:
             "before it.",
             source,
             type(error).__name__,
-            str(error).splitlines()[0][:300] if str(error) else "",
+            _first_line(error),
             target,
         )
         distributed.barrier("quarantine-start")
@@ -167,17 +221,60 @@ class SaveClock:
 
 def leaf_shapes(tree) -> dict[str, tuple]:
     """{"params/encoder/...": shape} of a state, abstract state or checkpoint metadata."""
-
-    def name(key) -> str:
-        for attribute in ("key", "name", "idx"):
-            if hasattr(key, attribute):
-                return str(getattr(key, attribute))
-        return str(key)
-
     return {
-        "/".join(name(k) for k in path): tuple(leaf.shape)
+        integrity.leaf_name(path): tuple(leaf.shape)
         for path, leaf in jax.tree_util.tree_leaves_with_path(tree)
     }
+
+
+def verify(path, meta: dict, state) -> None:
+    """Raises IntegrityError unless the arrays of `state`, restored from checkpoint `path`,
+    are those its save recorded in `meta`; a checkpoint written before digests were
+    recorded passes, with a line that says so."""
+    recorded = meta.get(integrity.DIGESTS)
+    if recorded is None:
+        logging.info(
+            "Checkpoint %s records no digests (an earlier lambjax wrote it); "
+            "restored without an integrity check.",
+            path,
+        )
+        return
+    differing = integrity.differing(recorded, state)
+    if differing:
+        raise integrity.IntegrityError(integrity.describe(differing))
+
+
+def remove_unfinished_saves(directory: epath.Path) -> None:
+    """Deletes what saves that never completed (failed or killed) left: a temporary folder
+    on local disk, or on GCS (no rename there) a step folder without Orbax's
+    `commit_success.txt`. No restore reads either."""
+    if not directory.is_dir():
+        return
+    for path in sorted(directory.iterdir()):
+        unfinished = _UNFINISHED in path.name or (
+            storage.is_remote(path)
+            and path.name.isdigit()
+            and not (path / "commit_success.txt").exists()
+        )
+        if unfinished:
+            logging.info("Removing %s, the unfinished save of an earlier run.", path)
+            path.rmtree(missing_ok=True)
+
+
+def save_failure_reason(error: BaseException) -> str:
+    """Why a save failed, short: 'no space left on device', else the error's first line
+    (tensorstore reports a full disk as RESOURCE_EXHAUSTED with os_error_code 28)."""
+    causes = [error, error.__cause__, error.__context__]
+    if any(isinstance(e, OSError) and e.errno == errno.ENOSPC for e in causes) or any(
+        "No space left on device" in str(e) for e in causes if e is not None
+    ):
+        return "no space left on device"
+    return _first_line(error)[:200] or type(error).__name__
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip()
+    return text.splitlines()[0][:300] if text else ""
 
 
 def check_fits(directory, saved: dict, target: dict) -> None:
@@ -236,12 +333,20 @@ def latest_params(workdir: str) -> tuple[dict, dict]:
         candidates.append((rank, step, phase_dir, meta))
     for _, step, phase_dir, meta in sorted(candidates, key=lambda c: c[:2], reverse=True):
         try:
-            state = read_state_on_host(phase_dir / str(step) / "state")
+            state = read_verified_state(phase_dir / str(step), meta)
         except Exception as error:  # noqa: BLE001 - an unreadable checkpoint is skipped
-            logging.warning("skipping unreadable checkpoint %s: %s", step, error)
+            logging.warning("skipping unreadable checkpoint %s: %s", phase_dir / str(step), error)
             continue
-        return meta, state["params"]
+        return {**meta, "step": step}, state["params"]
     raise FileNotFoundError(f"no readable checkpoint under {root}")
+
+
+def read_verified_state(path, meta: dict) -> dict:
+    """The state of checkpoint `path` (`.../STEP`) on the host, checked against the digests
+    in its `meta` (IntegrityError if they differ)."""
+    state = read_state_on_host(epath.Path(path) / "state")
+    verify(path, meta, state)
+    return state
 
 
 def read_state_on_host(path) -> dict:

@@ -4,6 +4,16 @@ readable line per log interval, a summary per phase).
 For a gs:// workdir both files are written in a local folder that is mirrored into the
 bucket (`storage.Mirror`): at every `flush` (the trainer flushes before each checkpoint, so
 the bucket's metrics always reach the last checkpoint) and every `sync_interval_s` seconds.
+
+A run that resumes from a checkpoint logs again the steps after it that the interrupted run
+had logged already. `RunWriter.resume_from(step)` keeps each step once: it drops those rows
+from metrics.jsonl (the file is rewritten beside itself and renamed over, so a kill leaves the
+old file or the new one, never half of one) and marks the restart for TensorBoard with a
+SessionLog START event at the next step, which makes TensorBoard discard the earlier run's
+events from that step on (tensorboard/backend/event_processing/plugin_event_accumulator.py,
+`_CheckForRestartAndMaybePurge`: a run's first START is its beginning, which lambjax writes
+when a workdir gets its first events; each later one a restart). The sweep report reads
+metrics.jsonl, so both show the same points.
 """
 
 import json
@@ -24,8 +34,27 @@ class JsonlWriter(metric_writers.MetricWriter):
 
     def __init__(self, path: str):
         os.makedirs(os.path.dirname(path), exist_ok=True)
+        self._path = path
+        self._file = self._open()
+
+    def _open(self):
         # Line-buffered: what was logged survives a kill -9.
-        self._file = open(path, "a", encoding="utf-8", buffering=1)  # noqa: SIM115
+        return open(self._path, "a", encoding="utf-8", buffering=1)  # noqa: SIM115
+
+    def drop_after(self, step: int) -> int:
+        """Removes the rows of steps after `step` (and a row cut short by a kill); returns
+        how many rows were removed."""
+        self._file.close()
+        with open(self._path, encoding="utf-8") as f:
+            rows = f.read().splitlines()
+        kept = [row for row in rows if _step_of(row) is not None and _step_of(row) <= step]
+        if len(kept) < len(rows):
+            temporary = f"{self._path}.tmp"
+            with open(temporary, "w", encoding="utf-8") as f:
+                f.writelines(row + "\n" for row in kept)
+            os.replace(temporary, self._path)
+        self._file = self._open()
+        return len(rows) - len(kept)
 
     def write_scalars(self, step, scalars):
         record = {"step": int(step), "time": time.time()}
@@ -63,12 +92,74 @@ class JsonlWriter(metric_writers.MetricWriter):
         self._file.close()
 
 
-class MirroredWriter(metric_writers.MultiWriter):
+def _step_of(row: str) -> int | None:
+    try:
+        return int(json.loads(row)["step"])
+    except (ValueError, KeyError, TypeError):
+        return None
+
+
+class RunWriter(metric_writers.MultiWriter):
+    """The writers of a run's metrics (none on processes other than 0)."""
+
+    def __init__(self, writers, jsonl: JsonlWriter | None = None, logdir=None, earlier=None):
+        """`jsonl`: the metrics.jsonl writer among `writers`; `logdir`: the local folder of
+        their TensorBoard writer; `earlier`: the name of the newest event file in the
+        workdir before that writer was made (an earlier run's)."""
+        super().__init__(writers)
+        self.jsonl, self.logdir, self._earlier_events = jsonl, logdir, earlier
+
+    def resume_from(self, step: int) -> None:
+        """The run continues after (global) `step`: rows of later steps, logged by an
+        interrupted run, are dropped, and TensorBoard is told (see the module doc)."""
+        if self.jsonl is None:
+            return
+        dropped = self.jsonl.drop_after(step)
+        if dropped:
+            logging.info(
+                "metrics.jsonl: dropped %d rows after step %d, logged after the checkpoint this "
+                "run resumes from (they are logged again).",
+                dropped,
+                step,
+            )
+            self._mark_restart(step)
+
+    def _mark_restart(self, step: int) -> None:
+        """SessionLog START at `step + 1`, in a file named to sort right after the
+        interrupted run's newest event file, so before this process's (TensorBoard reads a
+        folder's event files in name order; theirs are named by the time they were made)."""
+        if self._earlier_events is not None:
+            name = f"{self._earlier_events}.restart-{step}"
+            write_session_start(os.path.join(self.logdir, name), step + 1)
+
+
+def write_session_start(path: str, step: int) -> None:
+    """An event file that holds one SessionLog START event at `step`. TensorBoard takes a
+    run's first START for its beginning, and each later one for a restart at its step."""
+    from tensorboard.compat.proto import event_pb2
+    from tensorboard.summary.writer import record_writer
+
+    start = event_pb2.SessionLog(status=event_pb2.SessionLog.START)
+    with open(path, "wb") as f:
+        writer = record_writer.RecordWriter(f)
+        for event in (
+            event_pb2.Event(wall_time=time.time(), file_version="brain.Event:2"),
+            event_pb2.Event(wall_time=time.time(), step=step, session_log=start),
+        ):
+            writer.write(event.SerializeToString())
+        writer.flush()
+
+
+class MirroredWriter(RunWriter):
     """Writers of a local folder that `mirror` copies into the workdir's bucket."""
 
-    def __init__(self, writers, mirror: storage.Mirror):
-        super().__init__(writers)
+    def __init__(self, writers, jsonl: JsonlWriter, earlier, mirror: storage.Mirror):
+        super().__init__(writers, jsonl, os.fspath(mirror.local), earlier)
         self.mirror = mirror
+
+    def resume_from(self, step: int) -> None:
+        super().resume_from(step)
+        self.mirror.sync()
 
     def write_scalars(self, step, scalars):
         super().write_scalars(step, scalars)
@@ -80,31 +171,41 @@ class MirroredWriter(metric_writers.MultiWriter):
 
     def close(self):
         super().close()
-        self.mirror.sync()
-        self.mirror.remove_local()
+        self.mirror.remove_local()  # after a last sync
 
 
-def create_writer(workdir: str, sync_interval_s: float = 30.0) -> metric_writers.MetricWriter:
+def create_writer(workdir: str, sync_interval_s: float = 30.0) -> RunWriter:
     """TensorBoard event files and `metrics.jsonl` in the workdir, on process 0 only."""
     if jax.process_index() > 0:
-        return metric_writers.MultiWriter([])
+        return RunWriter([])
+    earlier = newest_event_file(workdir)  # before the TensorBoard writer makes its own
+    local = workdir
+    if storage.is_remote(workdir):
+        mirror = storage.Mirror(workdir, sync_interval_s)
+        mirror.fetch("metrics.jsonl")  # a resumed run continues it
+        local = os.fspath(mirror.local)
+    if earlier is None:  # the run's beginning, for TensorBoard (see the module doc)
+        earlier = FIRST_EVENTS
+        write_session_start(os.path.join(local, earlier), 0)
+    jsonl = JsonlWriter(os.path.join(local, "metrics.jsonl"))
     if not storage.is_remote(workdir):
-        return metric_writers.MultiWriter(
-            [
-                metric_writers.SummaryWriter(workdir),
-                JsonlWriter(os.path.join(workdir, "metrics.jsonl")),
-            ]
-        )
-    mirror = storage.Mirror(workdir, sync_interval_s)
-    mirror.fetch("metrics.jsonl")  # a resumed run continues it
-    local = os.fspath(mirror.local)
-    return MirroredWriter(
-        [
-            metric_writers.SummaryWriter(local),
-            JsonlWriter(os.path.join(local, "metrics.jsonl")),
-        ],
-        mirror,
-    )
+        writers = [metric_writers.SummaryWriter(workdir), jsonl]
+        return RunWriter(writers, jsonl, workdir, earlier)
+    writers = [metric_writers.SummaryWriter(local), jsonl]
+    return MirroredWriter(writers, jsonl, earlier, mirror)
+
+
+# Sorts before the event files of TensorBoard's writers (named by the time they are made).
+FIRST_EVENTS = "events.out.tfevents.0000000000.start"
+
+
+def newest_event_file(folder: str) -> str | None:
+    """The name of the TensorBoard event file in `folder` that sorts last, if any."""
+    path = epath.Path(folder)
+    if not path.is_dir():
+        return None
+    names = sorted(p.name for p in path.iterdir() if p.name.startswith("events.out.tfevents"))
+    return names[-1] if names else None
 
 
 def local_logdir(writer, workdir: str) -> str:

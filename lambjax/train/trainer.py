@@ -117,6 +117,7 @@ def run_phase(run_plan: RunPlan, workdir: str, phase: Phase, writer, stop) -> Ph
         ckpt.close()
         final = metrics_lib.eval_metrics_at(workdir, phase.plan.step_offset + step)
         return PhaseResult(phase.name, step, 0.0, final)
+    writer.resume_from(phase.plan.step_offset + step)  # steps logged after it go
     if phase.index == 0 and step == 0:
         metrics_lib.log_parameters(state.params, phase.model_config, workdir, writer)
     state = steps.to_running(state)  # the layout the steps take (lambjax.train.layout)

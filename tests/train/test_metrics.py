@@ -66,3 +66,46 @@ def test_a_finished_phase_finds_its_eval_metrics_in_metrics_jsonl(tmp_path):
     }
     assert metrics.eval_metrics_at(str(tmp_path), 340) == {}
     assert metrics.eval_metrics_at(str(tmp_path / "nowhere"), 300) == {}
+
+
+def test_a_resumed_run_logs_each_step_once_in_metrics_jsonl_and_tensorboard(tmp_path):
+    """A run logged steps 1..7, was killed and resumes from its checkpoint at step 4: its
+    steps 5..7 are logged again (other numbers here, to tell them apart), once."""
+    import time
+
+    from lambjax.sweep import report
+    from tests.helpers import tensorboard_scalars
+
+    workdir = str(tmp_path)
+    first = metrics.create_writer(workdir)
+    first.resume_from(0)
+    for step in range(1, 8):
+        first.write_scalars(step, {"train/loss": 10.0 - step})
+    first.write_scalars(7, {"eval/mlm_accuracy": 0.9, "eval/mlm_loss": 1.0})  # orphaned
+    first.flush()
+    with open(tmp_path / "metrics.jsonl", "a") as f:
+        f.write('{"step": 8, "train/lo')  # a row cut short by the kill
+    time.sleep(1.1)  # the resumed run's event file is named by a later second
+    second = metrics.create_writer(workdir)
+    second.resume_from(4)
+    for step in range(5, 11):
+        second.write_scalars(step, {"train/loss": 100.0 + step})
+    second.write_scalars(10, {"eval/mlm_accuracy": 0.5, "eval/mlm_loss": 2.0})
+    second.close()
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [row["step"] for row in rows] == [*range(1, 11), 10]  # each step's rows once
+    expected = {s: 10.0 - s for s in range(1, 5)} | {s: 100.0 + s for s in range(5, 11)}
+    assert {row["step"]: row["train/loss"] for row in rows if "train/loss" in row} == expected
+    assert tensorboard_scalars(workdir, "train/loss") == expected
+    assert tensorboard_scalars(workdir, "eval/mlm_accuracy") == {10: 0.5}
+    # The sweep report reads the same rows: the orphaned evaluation is not its best.
+    summary = report.summary(workdir)
+    assert summary["steps"] == 10
+    assert (
+        summary["best"]
+        == summary["final"]
+        == {
+            "eval/mlm_accuracy": 0.5,
+            "eval/mlm_loss": 2.0,
+        }
+    )

@@ -21,7 +21,9 @@ from tests.helpers import (
     PHASE2_STEPS,
     REPO,
     environment,
+    logged_steps,
     losses,
+    tensorboard_scalars,
     wait_for_checkpoint,
     wait_until,
 )
@@ -136,14 +138,20 @@ def test_each_prng_draws_its_own_dropout(reference, prng_reference, impl):
     "impl", ["threefry", *(pytest.param(i, marks=pytest.mark.slow) for i in OTHER_PRNGS)]
 )
 def test_kill_and_rerun_gives_bitwise_the_same_losses(prng_reference, data_dir, tmp_path, impl):
+    """Killed after it logged steps past its checkpoint: the rerun logs them again, and
+    metrics.jsonl and TensorBoard hold each step once, the rerun's."""
     workdir = str(tmp_path)
     process = start(workdir, data_dir, 4, *prng_flags(impl))
     wait_for_checkpoint(workdir, "phase1", 4, process)
+    wait_until(lambda: max(logged_steps(workdir), default=0) >= 6, process)
     process.kill()
     process.wait()
     assert not os.path.exists(os.path.join(workdir, "checkpoints", "phase2", str(PHASE2_STEPS)))
     run(workdir, data_dir, 4, *prng_flags(impl))
     assert losses(workdir) == losses(prng_reference(impl))
+    steps = logged_steps(workdir)
+    assert steps == sorted(set(steps))  # each step once, in order
+    assert tensorboard_scalars(workdir, "train/loss") == pytest.approx(losses(workdir), rel=1e-6)
 
 
 @pytest.mark.slow
@@ -240,6 +248,94 @@ def test_corrupt_latest_checkpoint_falls_back_to_the_previous(reference, data_di
     assert min(logged) == 9  # resumed after the step-8 checkpoint
     expected = losses(reference)
     assert {s: logged[s] for s in logged} == {s: expected[s] for s in logged}
+
+
+def flip_bytes_in_largest_data_file(state_dir: str, count: int = 4096) -> None:
+    """Inverts `count` bytes in the middle of the largest data file of a checkpoint's state:
+    the file still decodes, to other numbers."""
+    paths = [os.path.join(d, f) for d, _, files in os.walk(state_dir) for f in files]
+    path = max((p for p in paths if os.sep + "d" + os.sep in p), key=os.path.getsize)
+    with open(path, "r+b") as f:
+        data = bytearray(f.read())
+        middle = len(data) // 2
+        data[middle : middle + count] = bytes(b ^ 0xFF for b in data[middle : middle + count])
+        f.seek(0)
+        f.write(data)
+
+
+@pytest.mark.slow
+def test_flipped_bytes_in_the_final_checkpoint_are_refused_by_export_and_resume(
+    reference, data_dir, tmp_path
+):
+    """The digests recorded at the save catch what Orbax reads without an error: the export
+    takes the checkpoint before, the rerun sets the final one aside and trains its last
+    steps again, to bitwise the same losses."""
+    workdir = str(tmp_path / "run")
+    shutil.copytree(reference, workdir)
+    final = os.path.join(workdir, "checkpoints", "phase2", str(PHASE2_STEPS))
+    flip_bytes_in_largest_data_file(os.path.join(final, "state"))
+    export = [sys.executable, "-m", "lambjax.export", f"--workdir={workdir}", "--out=exported"]
+    result = subprocess.run(
+        export, cwd=tmp_path, env=environment(1), capture_output=True, text=True
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    (refused,) = [line for line in result.stderr.splitlines() if final in line]
+    assert refused.startswith("warning: skipping unreadable checkpoint")
+    assert "differ from what was saved" in refused or "differs from what was saved" in refused
+    assert "phase2 (step 4) of" in result.stdout
+
+    result = run(workdir, data_dir, 4)
+    (line,) = [line for line in result.stderr.splitlines() if "cannot be restored" in line]
+    assert f"Checkpoint {final} cannot be restored (IntegrityError: " in line
+    assert os.path.isdir(os.path.join(workdir, "checkpoints", "phase2.unreadable", "6"))
+    assert "resuming from its checkpoint at step 4" in result.stderr
+    assert losses(workdir) == losses(reference)
+    steps = logged_steps(workdir)
+    assert steps == sorted(set(steps))
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 20 MB tmpfs (two of the demo's checkpoints fit, not three), as root; the test is
+    skipped where mounting is not permitted (tests/train/test_checkpoint_faults.py injects
+    the same fault without it)."""
+    mount_point = tmp_path / "disk"
+    mount_point.mkdir()
+    mount = ["mount", "-t", "tmpfs", "-o", "size=20m", "tmpfs", str(mount_point)]
+    mounted = subprocess.run(mount, capture_output=True, text=True, check=False)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.strip()}")
+    yield mount_point
+    subprocess.run(["umount", "-l", str(mount_point)], check=False)
+
+
+@pytest.mark.slow
+def test_a_full_disk_ends_the_run_in_one_line_and_a_rerun_with_room_resumes(
+    reference, data_dir, small_disk
+):
+    workdir = str(small_disk / "run")
+    phase1 = os.path.join(workdir, "checkpoints", "phase1")
+    result = run(workdir, data_dir, 4, PHASE1_ONLY, check=False)
+    assert result.returncode == 75, result.stderr[-3000:]
+    complete = sorted(int(name) for name in os.listdir(phase1) if name.isdigit())
+    assert complete and max(complete) < PHASE1_STEPS
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith(
+        f"lambjax: error: a checkpoint could not be written to {phase1} (no space left on device); "
+    )
+    assert last.endswith(f"continues from the last complete checkpoint, {phase1}/{complete[-1]}")
+    assert "Traceback" not in result.stderr
+    unfinished = [name for name in os.listdir(phase1) if ".orbax-checkpoint-tmp" in name]
+
+    subprocess.run(["mount", "-o", "remount,size=200m", str(small_disk)], check=True)
+    result = run(workdir, data_dir, 4, PHASE1_ONLY)
+    for name in unfinished:
+        assert f"Removing {phase1}/{name}, the unfinished save of an earlier run." in result.stderr
+    assert f"resuming from its checkpoint at step {complete[-1]}" in result.stderr
+    expected = losses(reference)
+    assert losses(workdir) == {step: expected[step] for step in range(1, PHASE1_STEPS + 1)}
+    steps = logged_steps(workdir)
+    assert steps == sorted(set(steps))
 
 
 def test_bad_config_ends_with_one_line(tmp_path, data_dir):
