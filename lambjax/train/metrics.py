@@ -84,8 +84,11 @@ class MirroredWriter(metric_writers.MultiWriter):
         self.mirror.remove_local()
 
 
-def create_writer(workdir: str, sync_interval_s: float = 30.0) -> metric_writers.MetricWriter:
-    """TensorBoard event files and `metrics.jsonl` in the workdir, on process 0 only."""
+def create_writer(
+    workdir: str, sync_interval_s: float = 30.0, extra=()
+) -> metric_writers.MetricWriter:
+    """TensorBoard event files and `metrics.jsonl` in the workdir, and the `extra` writers
+    (experiment tracking: lambjax.train.tracking), on process 0 only."""
     if jax.process_index() > 0:
         return metric_writers.MultiWriter([])
     if not storage.is_remote(workdir):
@@ -93,6 +96,7 @@ def create_writer(workdir: str, sync_interval_s: float = 30.0) -> metric_writers
             [
                 metric_writers.SummaryWriter(workdir),
                 JsonlWriter(os.path.join(workdir, "metrics.jsonl")),
+                *extra,
             ]
         )
     mirror = storage.Mirror(workdir, sync_interval_s)
@@ -102,6 +106,7 @@ def create_writer(workdir: str, sync_interval_s: float = 30.0) -> metric_writers
         [
             metric_writers.SummaryWriter(local),
             JsonlWriter(os.path.join(local, "metrics.jsonl")),
+            *extra,
         ],
         mirror,
     )
