@@ -108,8 +108,9 @@ def test_tf_checkpoint_loads_to_the_outputs_of_its_transformers_conversion(torch
 
     assert missing == []
     batch = inputs()
-    for actual, expected in zip(ours(config, params, batch), torch_outputs(torch_model, batch)):
-        assert_close(actual, expected)
+    expected = torch_outputs(torch_model, batch)
+    for actual, wanted in zip(ours(config, params, batch), expected, strict=True):
+        assert_close(actual, wanted)
 
 
 def test_a_bert_model_checkpoint_without_heads_reports_them_missing(torch_model, tmp_path):
@@ -141,5 +142,7 @@ def test_a_kernel_of_another_shape_is_named(torch_model, tmp_path):
     config["intermediate_size"] += 1
     (tmp_path / "bert_config.json").write_text(json.dumps(config))
 
-    with pytest.raises(ValueError, match=r"output\.dense\.weight has shape \(32, 37\).*gives \(32, 38\)"):
+    with pytest.raises(
+        ValueError, match=r"output\.dense\.weight has shape \(32, 37\).*gives \(32, 38\)"
+    ):
         tf_checkpoint.from_tf_checkpoint(str(tmp_path))
