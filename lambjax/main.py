@@ -8,7 +8,7 @@ environment (TPU VM, SLURM) or from --coordinator_address/--num_processes/--proc
 Rerunning a command continues its run from the last checkpoint in --workdir.
 """
 
-from absl import app, logging
+from absl import logging
 
 from lambjax import cli, storage  # cli: quiets TensorFlow; storage: before any gs:// access
 
@@ -55,5 +55,10 @@ def main(argv):
         cli.fail("lambjax", str(error))
 
 
+def run() -> None:
+    """The `lambjax-train` command (setup.py's console script)."""
+    cli.run(main, "lambjax.main", "lambjax")
+
+
 if __name__ == "__main__":
-    app.run(main, flags_parser=cli.flags_parser("lambjax"))
+    run()

@@ -10,8 +10,6 @@ host runs the same command (see lambjax.main for the distributed flags). Bad inp
 file, malformed data, an unknown task) ends with one line on stderr and exit status 2.
 """
 
-from absl import app
-
 from lambjax import cli, storage  # cli: quiets TensorFlow; storage: before any gs:// access
 
 _CONFIG, _WORKDIR = cli.define_run_flags(
@@ -32,5 +30,10 @@ def main(argv):
         cli.fail("lambjax.finetune", str(error))
 
 
+def run() -> None:
+    """The `lambjax-finetune` command (setup.py's console script)."""
+    cli.run(main, "lambjax.finetune.__main__", "lambjax.finetune")
+
+
 if __name__ == "__main__":
-    app.run(main, flags_parser=cli.flags_parser("lambjax.finetune"))
+    run()

@@ -61,10 +61,19 @@ def create_writers(tracking, config_dict: dict, workdir: str) -> list[metric_wri
     """A writer per backend that `tracking.backends` names (none by default)."""
     name = run_name(tracking, workdir)
     makers = {"wandb": WandbWriter, "mlflow": MlflowWriter}
-    return [
-        makers[backend](tracking.project, name, tracking.group, config_dict, workdir)
-        for backend in backends(tracking)
-    ]
+    writers = []
+    for backend in backends(tracking):
+        try:
+            writers.append(
+                makers[backend](tracking.project, name, tracking.group, config_dict, workdir)
+            )
+        except Exception as error:  # each service raises its own errors (no server, no login)
+            reason = str(error).strip().splitlines()[0] if str(error).strip() else repr(error)
+            raise ConfigError(
+                f"config.tracking.backends={tracking.backends!r}: {backend} could not start a "
+                f"run ({reason})"
+            ) from None
+    return writers
 
 
 class _ScalarWriter(metric_writers.MetricWriter):

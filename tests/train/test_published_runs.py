@@ -13,6 +13,7 @@ import os
 import struct
 import subprocess
 import sys
+from unittest import mock
 
 import ml_collections
 import numpy as np
@@ -124,9 +125,10 @@ def wandb_history(wandb_dir: str) -> list[dict]:
 def mlflow_metric(store: str, name: str) -> dict[int, float]:
     from mlflow.tracking import MlflowClient
 
-    client = MlflowClient(tracking_uri=f"file:{store}")
-    (run,) = client.search_runs([client.get_experiment_by_name("lambjax").experiment_id])
-    return run, {m.step: m.value for m in client.get_metric_history(run.info.run_id, name)}
+    with mock.patch.dict(os.environ, {"MLFLOW_ALLOW_FILE_STORE": "true"}):  # MLflow 3 asks
+        client = MlflowClient(tracking_uri=f"file:{store}")
+        (run,) = client.search_runs([client.get_experiment_by_name("lambjax").experiment_id])
+        return run, {m.step: m.value for m in client.get_metric_history(run.info.run_id, name)}
 
 
 def test_continued_pretraining_starts_from_the_exported_model(tmp_path):
