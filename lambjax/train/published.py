@@ -115,6 +115,9 @@ def _from_checkpoint(init: str, kind: str, path: str) -> Published:
     else:
         config, params, missing = tf_checkpoint.from_tf_checkpoint(local)
         description = f"TensorFlow checkpoint {path}"
+    encoder_missing = [n for n in missing if not n.startswith(("cls.", "bert.pooler", "pooler"))]
+    if encoder_missing:  # only the heads (and the pooler) may be initialised
+        raise ValueError(f"the checkpoint lacks encoder weights, e.g. {encoder_missing[0]}")
     vocab = epath.Path(path) / "vocab.txt"  # as given: the run's config records it
     return Published(
         init,
@@ -156,9 +159,6 @@ def _heads_found(missing: list[str]) -> str:
         parts.append(f"{' and '.join(taken)} head{'s' if len(taken) > 1 else ''} from it")
     if fresh:
         parts.append(f"{' and '.join(fresh)} head{'s' if len(fresh) > 1 else ''} initialised")
-    encoder_missing = [n for n in missing if not n.startswith(("cls.", "bert.pooler", "pooler"))]
-    if encoder_missing:
-        raise ValueError(f"the checkpoint lacks encoder weights, e.g. {encoder_missing[0]}")
     return ", ".join(parts)
 
 
