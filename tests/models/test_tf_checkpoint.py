@@ -17,6 +17,7 @@ import torch
 import transformers
 
 from lambjax.models import tf_checkpoint
+from lambjax.train import published
 from tests.models.test_hf import HF_CONFIG, assert_close, inputs, ours
 
 
@@ -146,3 +147,18 @@ def test_a_kernel_of_another_shape_is_named(torch_model, tmp_path):
         ValueError, match=r"output\.dense\.weight has shape \(32, 37\).*gives \(32, 38\)"
     ):
         tf_checkpoint.from_tf_checkpoint(str(tmp_path))
+
+
+def test_a_run_reads_it_as_tf_dir_with_its_vocabulary_and_casing(torch_model, tmp_path):
+    write_tf_checkpoint(torch_model, str(tmp_path))
+    words = [f"w{i}" for i in range(HF_CONFIG["vocab_size"] - 5)]
+    (tmp_path / "vocab.txt").write_text(
+        "\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *words])
+    )
+
+    start = published.load(f"tf:{tmp_path}")
+
+    assert start.description == f"TensorFlow checkpoint {tmp_path}"
+    assert start.heads == "MLM and NSP heads from it"
+    assert (start.vocab_file, start.lower_case) == (str(tmp_path / "vocab.txt"), True)
+    assert start.model_config.num_layers == HF_CONFIG["num_hidden_layers"]
