@@ -90,13 +90,13 @@ COMMANDS = {
 HELP_FLAGS = ("--help", "-help", "-h", "-?", "--helpshort", "-helpshort")
 
 
-def run(main, module: str, program: str, flags_parser=None) -> None:
-    """Runs a command's `main` (absl.app.run with `flags_parser`, default
+def run(main, module: str, program: str, parser=None) -> None:
+    """Runs a command's `main` (absl.app.run, its flags parsed by `parser`, default
     `flags_parser(program)`) whether it was started as `python -m MODULE` or as its installed
     command (COMMANDS). `--help` prints the command's own help (`command_help`) first."""
     from absl import app
 
-    parse = flags_parser or globals()["flags_parser"](program)
+    parse = parser or flags_parser(program)
 
     def parse_or_help(argv: list[str]) -> list[str]:
         if any(arg in HELP_FLAGS for arg in argv[1:]):

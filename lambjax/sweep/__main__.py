@@ -140,7 +140,7 @@ def parse_flags(argv: list[str]) -> list[str]:
 
 def run() -> None:
     """The `lambjax-sweep` command (setup.py's console script)."""
-    cli.run(main, "lambjax.sweep.__main__", PROGRAM, flags_parser=parse_flags)
+    cli.run(main, "lambjax.sweep.__main__", PROGRAM, parser=parse_flags)
 
 
 if __name__ == "__main__":
