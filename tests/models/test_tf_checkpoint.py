@@ -16,6 +16,7 @@ import tensorflow as tf
 import torch
 import transformers
 
+from lambjax.finetune import init as finetune_init
 from lambjax.models import tf_checkpoint
 from lambjax.train import published
 from tests.models.test_hf import HF_CONFIG, assert_close, inputs, ours
@@ -162,3 +163,13 @@ def test_a_run_reads_it_as_tf_dir_with_its_vocabulary_and_casing(torch_model, tm
     assert start.heads == "MLM and NSP heads from it"
     assert (start.vocab_file, start.lower_case) == (str(tmp_path / "vocab.txt"), True)
     assert start.model_config.num_layers == HF_CONFIG["num_hidden_layers"]
+
+
+def test_fine_tuning_starts_from_it_too(torch_model, tmp_path):
+    write_tf_checkpoint(torch_model, str(tmp_path))
+    (tmp_path / "vocab.txt").write_text("[PAD]\n[UNK]\n[CLS]\n[SEP]\n[MASK]\nCase\n")
+
+    start = finetune_init.load(f"tf:{tmp_path}")
+
+    assert (start.vocab_file, start.lower_case) == (str(tmp_path / "vocab.txt"), False)
+    assert start.model_config.hidden_size == HF_CONFIG["hidden_size"]
