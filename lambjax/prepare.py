@@ -92,5 +92,10 @@ def main(argv):
     sys.stdout.flush()
 
 
+def run() -> None:
+    """The `lambjax-prepare` command (setup.py's console script)."""
+    cli.run(main, "lambjax.prepare", PROGRAM)
+
+
 if __name__ == "__main__":
-    app.run(main, flags_parser=cli.flags_parser(PROGRAM))
+    run()

@@ -17,6 +17,7 @@ import optax
 import pytest
 
 from lambjax import cli
+from lambjax.models import hf
 from lambjax.models.config import BertConfig
 from lambjax.models.params import init_params
 from lambjax.train import checkpointing
@@ -62,6 +63,7 @@ def inputs(tmp_path_factory) -> dict[str, str]:
     paths["pretraining"] = pretraining_workdir(root / "pretraining")
     paths["finetuning"] = finetuning_workdir(root / "finetuning")
     paths["hf"] = str(root / "hf")
+    paths["hf_tiny"], paths["hf_shapes"] = published_checkpoints(root)
     paths["sweep"] = str(root / "sweep")
     (root / "truncated_config").mkdir()
     (root / "truncated_config" / "config.json").write_text('{"seed": 0, "model": {"pre')
@@ -75,6 +77,23 @@ def pretraining_workdir(root) -> str:
     config = cli.load_config(os.path.join(helpers.REPO, "configs/default.py:runlocal"))
     workdir_lib.save_config(config.to_json_best_effort(), str(root))
     return str(root)
+
+
+def published_checkpoints(root) -> tuple[str, str]:
+    """A transformers checkpoint of a tiny BERT (uncased, 128 tokens), and a copy whose
+    config.json gives another intermediate_size than its weights have."""
+    model = BertConfig.preset("tiny", vocab_size=128, dtype="float32")
+    params = jax.jit(init_params, static_argnums=0)(model, jax.random.key(0))
+    vocab = root / "tiny_vocab.txt"
+    specials = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+    vocab.write_text("\n".join(specials + [f"w{i}" for i in range(123)]) + "\n")
+    tiny, shapes = root / "hf_tiny", root / "hf_shapes"
+    for path in (tiny, shapes):
+        hf.to_transformers(model, params, str(path), vocab_file=str(vocab))
+    config = json.loads((shapes / "config.json").read_text())
+    config["intermediate_size"] += 1
+    (shapes / "config.json").write_text(json.dumps(config))
+    return str(tiny), str(shapes)
 
 
 def finetuning_workdir(root) -> str:
@@ -115,6 +134,30 @@ def main_cases(inputs, root) -> list[tuple[list[str], str]]:
         (main("--config.phases.phase1.learning_rate=nan"), "learning_rate=nan must be"),
         (main("--config.data.masked_lm_prob=2.0"), "masked_lm_prob=2.0 must lie in (0, 1]"),
         ([f"--config={inputs['raises.py']}", "--workdir=x"], "get_config() raised KeyError"),
+        *published_cases(inputs),
+    ]
+
+
+def published_cases(inputs) -> list[tuple[list[str], str]]:
+    """`config.init` and `config.tracking`: each case's workdir must stay unwritten
+    (test_a_bad_start_writes_nothing)."""
+
+    def main(*args):
+        workdir = f"--workdir={inputs['root']}/unwritten"
+        return ["--config=configs/default.py:runlocal", workdir, *args]
+
+    tiny = f"--config.init=hf:{inputs['hf_tiny']}"
+    return [
+        (main(f"--config.init=hf:{inputs['root']}/empty"), "neither a transformers"),
+        (main(f"--config.init=tf:{inputs['hf_tiny']}"), "it looks like hf:"),
+        (main(f"--config.init=hf:{inputs['binary']}"), "is not a directory"),
+        (main("--config.init=scratch:tiny"), "valid: '' (random), hf:DIR, tf:DIR, workdir:PATH"),
+        (main(f"--config.init=hf:{inputs['hf']}"), "config.init="),
+        (main(f"--config.init=hf:{inputs['hf_shapes']}"), "has shape (512,), but its config"),
+        (main(tiny, "--config.model.preset=mini"), "config.model contradicts"),
+        (main(tiny, "--config.data.lower_case=false"), "which was trained with lower_case=True"),
+        (main(tiny, f"--config.data.vocab={inputs['latin1_vocab.txt']}"), "is not the vocabulary"),
+        (main("--config.tracking.backends=neptune"), "unknown 'neptune'"),
     ]
 
 
@@ -231,6 +274,10 @@ def outcomes(inputs, tmp_path_factory) -> dict[str, list[str]]:
             tail = "\n".join(stderr.strip().splitlines()[-3:])
             failures[module].append(f"{args[-1]} -> exit {code}, expected {expected!r}:\n{tail}")
     return failures
+
+
+def test_a_bad_start_writes_nothing(outcomes, inputs):
+    assert not os.path.exists(f"{inputs['root']}/unwritten")
 
 
 @pytest.mark.parametrize("module", list(COMMANDS))

@@ -11,8 +11,6 @@ file, malformed data, an unknown task) ends with one line on stderr and exit sta
 checkpoint that cannot be written (a full disk), with one line and exit status 75.
 """
 
-from absl import app
-
 from lambjax import cli, storage  # cli: quiets TensorFlow; storage: before any gs:// access
 
 _CONFIG, _WORKDIR = cli.define_run_flags(
@@ -35,5 +33,10 @@ def main(argv):
         cli.fail("lambjax.finetune", str(error), SAVE_FAILED_STATUS)
 
 
+def run() -> None:
+    """The `lambjax-finetune` command (setup.py's console script)."""
+    cli.run(main, "lambjax.finetune.__main__", "lambjax.finetune")
+
+
 if __name__ == "__main__":
-    app.run(main, flags_parser=cli.flags_parser("lambjax.finetune"))
+    run()

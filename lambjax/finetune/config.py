@@ -156,7 +156,7 @@ def validate(config, num_data_parallel: int, process_count: int) -> None:
             f"config.optimizer.name={config.optimizer.name!r}; valid: adamw, lamb, lans"
         )
     kind, _, value = config.init.partition(":")
-    if kind not in ("workdir", "hf", "scratch") or not value:
+    if kind not in ("workdir", "hf", "tf", "scratch") or not value:
         raise FinetuneError(
-            f"config.init={config.init!r}; valid: workdir:PATH, hf:PATH, scratch:PRESET"
+            f"config.init={config.init!r}; valid: workdir:PATH, hf:PATH, tf:PATH, scratch:PRESET"
         )

@@ -7,6 +7,8 @@
   hf:PATH         a transformers BERT directory (BertModel, BertForPreTraining, or a
                   fine-tuned one) with its vocab.txt, and do_lower_case from
                   tokenizer_config.json when it is there;
+  tf:PATH         Google's original TensorFlow checkpoint directory (bert_config.json,
+                  bert_model.ckpt.*, vocab.txt; lambjax.models.tf_checkpoint);
   scratch:PRESET  random weights of a preset (tests, baselines).
 
 The pretrained pooler, where there is one, starts the classifier head's pooler.
@@ -39,11 +41,15 @@ def load(init: str) -> Start:
         return from_workdir(value)
     if kind == "hf":
         return from_hf(value)
+    if kind == "tf":
+        return from_tf(value)
     if kind == "scratch":
         if value not in PRESETS:
             raise FinetuneError(f"config.init={init!r}: unknown preset; valid: {list(PRESETS)}")
         return Start(BertConfig.preset(value), None, None, None, f"random {value} BERT")
-    raise FinetuneError(f"config.init={init!r}; valid: workdir:PATH, hf:PATH, scratch:PRESET")
+    raise FinetuneError(
+        f"config.init={init!r}; valid: workdir:PATH, hf:PATH, tf:PATH, scratch:PRESET"
+    )
 
 
 def _finished_phases(workdir: str) -> list[tuple[int, str, int, dict, object]]:
@@ -131,6 +137,25 @@ def from_hf(path: str) -> Start:
         lower_case,
         f"transformers checkpoint {path}",
     )
+
+
+def from_tf(path: str) -> Start:
+    from lambjax.models import tf_checkpoint
+
+    if not epath.Path(path, tf_checkpoint.CONFIG_FILE).is_file():
+        raise FinetuneError(
+            f"config.init=tf:{path}: no {tf_checkpoint.CONFIG_FILE} there; not a TensorFlow "
+            "BERT checkpoint directory"
+        )
+    path = storage.local_copy(path)
+    try:
+        config, params, _ = tf_checkpoint.from_tf_checkpoint(path)
+    except (OSError, ValueError) as e:
+        raise FinetuneError(f"config.init=tf:{path}: {e}") from e
+    vocab = os.path.join(path, "vocab.txt")
+    vocab = vocab if os.path.isfile(vocab) else None
+    lower_case = None if vocab is None else not vocabulary_is_cased(vocab)
+    return Start(config, params, vocab, lower_case, f"TensorFlow checkpoint {path}")
 
 
 def vocabulary_is_cased(vocab_file: str) -> bool:

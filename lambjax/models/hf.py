@@ -96,7 +96,7 @@ def config_to_hf(config: BertConfig) -> dict:
     }
 
 
-def _load_state_dict(path: str) -> dict[str, np.ndarray]:
+def load_state_dict(path: str) -> dict[str, np.ndarray]:
     safetensors_file = os.path.join(path, "model.safetensors")
     bin_file = os.path.join(path, "pytorch_model.bin")
     if os.path.exists(safetensors_file):
@@ -147,16 +147,43 @@ def from_transformers(path: str) -> tuple[BertConfig, dict]:
     """Imports a transformers BERT checkpoint directory; returns (config, params)."""
     with open(os.path.join(path, "config.json"), encoding="utf-8") as f:
         config = config_from_hf(json.load(f))
-    state = _load_state_dict(path)
+    params, missing = params_from_state(config, load_state_dict(path), path)
+    if missing:
+        logging.warning(
+            "%s: %d weights not in the checkpoint were initialised: %s",
+            path,
+            len(missing),
+            ", ".join(sorted({m.split(".")[0] for m in missing})),
+        )
+    return config, params
+
+
+def params_from_state(
+    config: BertConfig, state: dict[str, np.ndarray], where: str
+) -> tuple[dict, list[str]]:
+    """(params, names of the weights `state` lacks, which were initialised) of a BERT whose
+    weights are `state`, under transformers' names and shapes (`bert.`-prefixed or not).
+    A weight whose shape is not the one `config` gives raises ValueError naming it."""
     prefix = "bert." if any(k.startswith("bert.") for k in state) else ""
     params = jax.tree.map(np.asarray, init_params(config, jax.random.key(0)))
+    expected = {
+        name.replace("bert.", prefix, 1): value.shape
+        for name, value in _pretraining_state(config, params).items()
+    }
+    for name, value in state.items():
+        if name in expected and tuple(value.shape) != tuple(expected[name]):
+            raise ValueError(
+                f"{where}: {name} has shape {tuple(value.shape)}, but its config "
+                f"(hidden_size={config.hidden_size}, vocab_size={config.vocab_size}, ...) "
+                f"gives {tuple(expected[name])}"
+            )
     missing = []
 
     def take(name):
         if name not in state:
             missing.append(name)
             return None
-        return state[name].astype(np.float32)
+        return np.asarray(state[name]).astype(np.float32)
 
     for ours, theirs in _EMBEDDINGS.items():
         value = take(prefix + theirs)
@@ -186,14 +213,7 @@ def from_transformers(path: str) -> tuple[BertConfig, dict]:
     bias = take("cls.predictions.bias")
     if bias is not None:
         heads["mlm_bias"] = bias
-    if missing:
-        logging.warning(
-            "%s: %d weights not in the checkpoint were initialised: %s",
-            path,
-            len(missing),
-            ", ".join(sorted({m.split(".")[0] for m in missing})),
-        )
-    return config, params
+    return params, missing
 
 
 def _encoder_state(config: BertConfig, params: dict) -> dict[str, np.ndarray]:
@@ -210,6 +230,18 @@ def _encoder_state(config: BertConfig, params: dict) -> dict[str, np.ndarray]:
                 state[f"bert.encoder.layer.{i}.{theirs}.{hf_leaf}"] = _to_hf(
                     node[leaf][i], kind, leaf == "bias"
                 )
+    return state
+
+
+def _pretraining_state(config: BertConfig, params: dict) -> dict[str, np.ndarray]:
+    """Every tensor of a BertForPreTraining under its transformers name."""
+    state = _encoder_state(config, params)
+    for (ours,), (theirs, kind) in _HEADS.items():
+        for leaf, hf_leaf in _leaf_names(kind):
+            state[f"{theirs}.{hf_leaf}"] = _to_hf(params["heads"][ours][leaf], kind, leaf == "bias")
+    state["cls.predictions.bias"] = params["heads"]["mlm_bias"]
+    state["cls.predictions.decoder.weight"] = params["embeddings"]["word"]["embedding"]
+    state["cls.predictions.decoder.bias"] = params["heads"]["mlm_bias"]
     return state
 
 
@@ -250,13 +282,7 @@ def to_transformers(
     if reason:
         raise ValueError(reason)
     params = jax.tree.map(lambda x: np.asarray(x, np.float32), params)
-    state = _encoder_state(config, params)
-    for (ours,), (theirs, kind) in _HEADS.items():
-        for leaf, hf_leaf in _leaf_names(kind):
-            state[f"{theirs}.{hf_leaf}"] = _to_hf(params["heads"][ours][leaf], kind, leaf == "bias")
-    state["cls.predictions.bias"] = params["heads"]["mlm_bias"]
-    state["cls.predictions.decoder.weight"] = params["embeddings"]["word"]["embedding"]
-    state["cls.predictions.decoder.bias"] = params["heads"]["mlm_bias"]
+    state = _pretraining_state(config, params)
     os.makedirs(path, exist_ok=True)
     state = {k: np.ascontiguousarray(v) for k, v in state.items()}
     save_safetensors(state, os.path.join(path, "model.safetensors"))
@@ -363,7 +389,7 @@ def from_transformers_task(path: str) -> tuple[BertConfig, dict, list | None]:
     """Imports a `BertForQuestionAnswering` or `BertForSequenceClassification` directory:
     (config, params with the head under `heads`, class names or None)."""
     config, params = from_transformers(path)
-    state = _load_state_dict(path)
+    state = load_state_dict(path)
     if "qa_outputs.weight" in state:
         head = {
             "qa_outputs": {

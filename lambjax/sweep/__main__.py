@@ -20,7 +20,7 @@ import os
 import shlex
 import sys
 
-from absl import app, flags
+from absl import flags
 from ml_collections import config_flags
 
 from lambjax import cli, console, storage  # storage: before any gs:// access
@@ -144,5 +144,10 @@ def parse_flags(argv: list[str]) -> list[str]:
     return cli.flags_parser(PROGRAM)(argv)
 
 
+def run() -> None:
+    """The `lambjax-sweep` command (setup.py's console script)."""
+    cli.run(main, "lambjax.sweep.__main__", PROGRAM, parser=parse_flags)
+
+
 if __name__ == "__main__":
-    app.run(main, flags_parser=parse_flags)
+    run()

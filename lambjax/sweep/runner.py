@@ -133,7 +133,8 @@ class Sweep:
     def command(self, trial: Trial, launcher: str = "local", slot: int | None = None):
         """The command that runs `trial`; `slot` picks the TPU node of a parallel sweep."""
         if launcher == "local":
-            return trial_command(self.config_spec, self.dir, trial, self.base_flags)
+            flags = [*self.base_flags, *self.tracking_flags(trial)]
+            return trial_command(self.config_spec, self.dir, trial, flags)
         if launcher == "tpu":
             node = os.environ.get("TPU_NAME", "")
             return [
@@ -145,9 +146,19 @@ class Sweep:
                 f"--config={self.config_spec}",
                 "--",
                 *self.base_flags,
+                *self.tracking_flags(trial),
                 *trial.flags(),
             ]
         raise ValueError(f"launcher {launcher!r}; valid: {LAUNCHERS}")
+
+    def tracking_flags(self, trial: Trial) -> list[str]:
+        """Where the config tracks runs (lambjax.train.tracking): each trial's run is named
+        after its overrides (the trial's name) and grouped by the sweep's directory name."""
+        tracking = self.config.get("tracking")
+        if not tracking or not tracking.backends:
+            return []
+        group = os.path.basename(self.dir.rstrip("/"))
+        return [f"--config.tracking.run_name={trial.name}", f"--config.tracking.group={group}"]
 
     def log_path(self, trial: Trial, launcher: str) -> str:
         if launcher == "tpu":  # the trial's workdir is in a bucket; the supervisor runs here

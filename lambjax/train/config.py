@@ -18,6 +18,8 @@ A config is an `ml_collections.ConfigDict`:
               optional `optimizer` / `mesh` overrides, and the encoder depth and frozen
               bottom layers of a multi-stage layerwise training stage: lambjax.train.layerwise)
   phase_order: the phase names in the order they run.
+  tracking:   where the run's metrics go besides TensorBoard (lambjax.train.tracking)
+  init:       a published model the first phase starts from (lambjax.train.published)
 
 The recipes are the files in configs/; the variants every config accepts (`runlocal`, `pld`,
 `mslt`, `chunked_accumulation`, `standardization_loss`, `ouroboros`) are in
@@ -188,6 +190,17 @@ def base_config() -> ml_collections.ConfigDict:
     config.peak_flops_per_device = 0.0
     # Capture a profile of a few steps into the workdir (clu Profile action).
     config.profile = False
+    # Experiment tracking (lambjax.train.tracking): backends "", "wandb", "mlflow" or
+    # "wandb,mlflow"; the W&B project / MLflow experiment; the run's name ("": the workdir's
+    # last folder) and group (a sweep sets both).
+    config.tracking = ml_collections.ConfigDict(
+        {"backends": "", "project": "lambjax", "run_name": "", "group": ""}
+    )
+    # Where the first phase starts (lambjax.train.published): "" (random weights), or a
+    # published model whose vocabulary, casing and shape the run then takes: hf:DIR (a
+    # transformers BERT), tf:DIR (Google's original TensorFlow checkpoint) or workdir:PATH
+    # (another lambjax run).
+    config.init = ""
     return config
 
 

@@ -174,8 +174,9 @@ class MirroredWriter(RunWriter):
         self.mirror.remove_local()  # after a last sync
 
 
-def create_writer(workdir: str, sync_interval_s: float = 30.0) -> RunWriter:
-    """TensorBoard event files and `metrics.jsonl` in the workdir, on process 0 only."""
+def create_writer(workdir: str, sync_interval_s: float = 30.0, extra=()) -> RunWriter:
+    """TensorBoard event files and `metrics.jsonl` in the workdir, and the `extra` writers
+    (experiment tracking: lambjax.train.tracking), on process 0 only."""
     if jax.process_index() > 0:
         return RunWriter([])
     earlier = newest_event_file(workdir)  # before the TensorBoard writer makes its own
@@ -189,9 +190,9 @@ def create_writer(workdir: str, sync_interval_s: float = 30.0) -> RunWriter:
         write_session_start(os.path.join(local, earlier), 0)
     jsonl = JsonlWriter(os.path.join(local, "metrics.jsonl"))
     if not storage.is_remote(workdir):
-        writers = [metric_writers.SummaryWriter(workdir), jsonl]
+        writers = [metric_writers.SummaryWriter(workdir), jsonl, *extra]
         return RunWriter(writers, jsonl, workdir, earlier)
-    writers = [metric_writers.SummaryWriter(local), jsonl]
+    writers = [metric_writers.SummaryWriter(local), jsonl, *extra]
     return MirroredWriter(writers, jsonl, earlier, mirror)
 
 

@@ -10,7 +10,9 @@ Restore order, for the phase about to run:
      layers where this phase is deeper), and its optimizer moments with the step count
      restarted if this phase keeps them (`optimizer_state='keep'`), else a fresh
      optimizer state;
-  3. else a fresh initialisation from the seed.
+  3. else, for the first phase of a run whose `config.init` names a published model, that
+     model's parameters with a fresh optimizer state (lambjax.train.published);
+  4. else a fresh initialisation from the seed.
 """
 
 import dataclasses
@@ -27,7 +29,7 @@ from lambjax import optim, sharding
 from lambjax.models import attention
 from lambjax.models.config import BertConfig
 from lambjax.models.params import init_params, param_logical_axes
-from lambjax.train import checkpointing, layerwise, layout
+from lambjax.train import checkpointing, layerwise, layout, published
 from lambjax.train import optimizer as optimizer_lib
 from lambjax.train import state as state_lib
 from lambjax.train import step as step_lib
@@ -303,11 +305,13 @@ def initial_state(
     ckpt: checkpointing.PhaseCheckpoints,
     init_state: Callable,
     init_optimizer: Callable,
+    start: published.Published | None = None,
 ):
     """(state at rest, data iterator state or None, step) by the restore order above.
 
     `init_state(rng)` and `init_optimizer(params)` are the phase's initialisers as the
-    trainer compiled them (sharded outputs, at rest).
+    trainer compiled them (sharded outputs, at rest); `start` is the published model the
+    run starts from, if any.
     """
     restored = ckpt.restore_latest(phase.abstract_state())
     if restored is not None:
@@ -315,6 +319,8 @@ def initial_state(
         return restored.state, restored.data_state, restored.step
     if phase.plan.previous is not None:
         return from_previous_phase(run_plan, workdir, phase, init_optimizer), None, 0
+    if start is not None:
+        return from_published(start, phase, init_optimizer), None, 0
     logging.info("Phase %s: initialising from scratch (seed %d)", phase.name, run_plan.seed)
     return init_state(jax.random.key(run_plan.seed)), None, 0
 
@@ -361,4 +367,13 @@ def from_previous_phase(run_plan: RunPlan, workdir: str, phase: Phase, init_opti
     else:
         opt_state = init_optimizer(params)
     state = phase.new_state(params, opt_state=opt_state)
+    return jax.device_put(state, phase.rest_shardings)
+
+
+def from_published(start: published.Published, phase: Phase, init_optimizer: Callable):
+    """The published model's parameters, with a fresh optimizer state."""
+    published.log_start(start, phase.name)
+    params = published.initial_params(start, phase.abstract_state().params)
+    params = jax.device_put(params, phase.rest_shardings.params)
+    state = phase.new_state(params, opt_state=init_optimizer(params))
     return jax.device_put(state, phase.rest_shardings)

@@ -18,7 +18,7 @@ from clu import periodic_actions
 
 from lambjax import console, distributed, sharding, storage
 from lambjax import data as data_lib
-from lambjax.train import checkpointing, loop, phases, prng, throughput
+from lambjax.train import checkpointing, loop, phases, prng, published, throughput, tracking
 from lambjax.train import metrics as metrics_lib
 from lambjax.train import plan as plan_lib
 from lambjax.train import step as step_lib
@@ -74,22 +74,29 @@ def train_and_evaluate(config, workdir: str) -> dict:
         num_slices=sharding.slice_count(jax.devices()),
     )
     plan_lib.check(config, **devices)  # before anything is written
+    tracking.check(config.tracking)
+    start = published_start(config)  # before the workdir check: it may set data.vocab
     workdir_lib.check(config.to_json_best_effort(), workdir)
     console.log_to_file(workdir, console.process_log_name("train", jax.process_index()))
     for flag, path in data_lib.paths(config.data):
         storage.check_reachable(path, flag)
     vocabulary = phases.prepare_vocabulary(config.data)
-    run_plan = plan_lib.resolve(config, vocab_size=vocabulary.size, **devices)
+    run_plan = plan_lib.resolve(
+        config, vocab_size=start.model_config.vocab_size if start else vocabulary.size, **devices
+    )
     phases.check_platform(run_plan)
     datasets = phases.prepare_data(run_plan)
     phases.check_data(run_plan, datasets)
-    writer = metrics_lib.create_writer(workdir)
+    trackers = []
+    if jax.process_index() == 0:
+        trackers = tracking.create_writers(config.tracking, config.to_dict(), workdir)
+    writer = metrics_lib.create_writer(workdir, extra=trackers)
     stop = distributed.StopRequest()
     results = []
     try:
         for plan in run_plan.phases:
             phase = phases.build_phase(plan, datasets[plan.batch.max_seq_length])
-            results.append(run_phase(run_plan, workdir, phase, writer, stop))
+            results.append(run_phase(run_plan, workdir, phase, writer, stop, start))
             if results[-1].stopped:
                 logging.info("Stopped in phase %s; rerun the same command to continue.", plan.name)
                 break
@@ -99,8 +106,28 @@ def train_and_evaluate(config, workdir: str) -> dict:
     return results[-1].eval_metrics
 
 
-def run_phase(run_plan: RunPlan, workdir: str, phase: Phase, writer, stop) -> PhaseResult:
-    """Trains one phase to its last step, or until a stop is requested."""
+def published_start(config) -> published.Published | None:
+    """The published model `config.init` names (None: random weights), with the config made
+    to use its vocabulary and checked against its casing and shape."""
+    if not config.init:
+        return None
+    start = published.load(config.init)
+    published.adopt_vocabulary(start, config.data)
+    run_plan = plan_lib.resolve(
+        config,
+        vocab_size=start.model_config.vocab_size,
+        num_devices=jax.device_count(),
+        process_count=jax.process_count(),
+    )
+    published.check_model(start, run_plan.phases[0].model)
+    return start
+
+
+def run_phase(
+    run_plan: RunPlan, workdir: str, phase: Phase, writer, stop, start=None
+) -> PhaseResult:
+    """Trains one phase to its last step, or until a stop is requested; the first phase from
+    the published model `start` if there is one."""
     started = time.perf_counter()
     ckpt = checkpointing.PhaseCheckpoints(
         workdir,
@@ -110,7 +137,7 @@ def run_phase(run_plan: RunPlan, workdir: str, phase: Phase, writer, stop) -> Ph
     )
     steps = compile_steps(phase)
     state, data_state, step = phases.initial_state(
-        run_plan, workdir, phase, ckpt, steps.init_state, steps.init_optimizer
+        run_plan, workdir, phase, ckpt, steps.init_state, steps.init_optimizer, start
     )
     if step >= phase.plan.num_steps:
         logging.info("Phase %s already finished (step %d).", phase.name, step)

@@ -49,6 +49,7 @@ RESUMABLE = (
     "max_consecutive_nonfinite_steps",
     "peak_flops_per_device",
     "profile",
+    "tracking.*",
     # Where the (same) built datasets are read from.
     "data.data_dir",
     "data.tfds_data_dir",

@@ -70,9 +70,7 @@ def test_transient_faults_leave_the_losses_as_they_were(proxy, gcs_bucket, clean
     assert losses(workdir) == losses(clean_run)
 
 
-def test_a_bucket_that_keeps_refusing_writes_ends_the_run_in_one_line(
-    proxy, gcs_bucket, clean_run
-):
+def test_a_bucket_that_keeps_refusing_writes_ends_the_run_in_one_line(proxy, gcs_bucket, clean_run):
     """From the first checkpoint on, every upload by gcsfs (the metrics mirror, Orbax's own
     files) is answered 503: the next save fails after gcsfs's retries."""
     workdir = f"{gcs_bucket}/faults/persistent"
