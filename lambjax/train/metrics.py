@@ -185,6 +185,7 @@ def create_writer(workdir: str, sync_interval_s: float = 30.0, extra=()) -> RunW
         mirror = storage.Mirror(workdir, sync_interval_s)
         mirror.fetch("metrics.jsonl")  # a resumed run continues it
         local = os.fspath(mirror.local)
+    os.makedirs(local, exist_ok=True)
     if earlier is None:  # the run's beginning, for TensorBoard (see the module doc)
         earlier = FIRST_EVENTS
         write_session_start(os.path.join(local, earlier), 0)
