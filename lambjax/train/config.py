@@ -165,6 +165,10 @@ def base_config() -> ml_collections.ConfigDict:
     # A method that replaces the train step: the module that provides it (lambjax.train.method),
     # e.g. "lambjax.contrib.ouroboros", which adds its own fields; "" = the core step.
     config.step_method = ""
+    # The gradient noise scale B_simple (lambjax.train.noise_scale), logged as
+    # train/noise_scale: needs grad_accum_steps >= 2 in every phase. ema_decay: per step,
+    # of the averages of its numerator and denominator.
+    config.noise_scale = ml_collections.ConfigDict({"enabled": False, "ema_decay": 0.95})
     config.phases = ml_collections.ConfigDict()
     config.phase_order = ()
     config.log_every_steps = 10

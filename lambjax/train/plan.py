@@ -29,7 +29,7 @@ from lambjax import sharding
 from lambjax.data import packing as packing_lib
 from lambjax.models import standardization
 from lambjax.models.config import BertConfig
-from lambjax.train import layer_drop, layerwise, plan_checks, prng, reduction
+from lambjax.train import layer_drop, layerwise, noise_scale, plan_checks, prng, reduction
 from lambjax.train import method as method_lib
 from lambjax.train.config import OPTIMIZERS, ConfigError
 
@@ -113,6 +113,8 @@ class PhasePlan:
     packing: packing_lib.Packing | None  # training rows of several examples; None: one
     gradient_reduction: str  # each_microbatch | once (lambjax.train.reduction)
     previous: "PhasePlan | None"  # the phase before, whose final state this one starts from
+    # Per-step decay of the noise scale's averages (lambjax.train.noise_scale); None: off.
+    noise_scale_ema_decay: float | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -151,6 +153,7 @@ def resolve(config, *, vocab_size: int, num_devices: int, process_count: int = 1
         lambda: method and method.check_settings(config),
         lambda: prng.check(config.prng_impl),
         lambda: standardization.check_site(config.standardization_loss.site),
+        lambda: noise_scale.check_settings(config.noise_scale),
     )
     spans = {}
     plan_checks.run_checks(
@@ -180,6 +183,7 @@ def resolve(config, *, vocab_size: int, num_devices: int, process_count: int = 1
         lambda: method and method.check(config, phases),
         lambda: plan_checks.check_stages(phases),
         lambda: reduction.check(config.gradient_reduction, phases),
+        lambda: noise_scale.check(config.noise_scale.enabled, phases),
     )
     return RunPlan(
         phases=tuple(phases),
@@ -265,6 +269,9 @@ def _phase(
         packing=_packing(config.data, phase.max_seq_length),
         gradient_reduction=config.gradient_reduction,
         previous=previous,
+        noise_scale_ema_decay=(
+            config.noise_scale.ema_decay if config.noise_scale.enabled else None
+        ),
     )
 
 

@@ -18,7 +18,7 @@ from clu import periodic_actions
 
 from lambjax import console, distributed, sharding, storage
 from lambjax import data as data_lib
-from lambjax.train import checkpointing, loop, phases, prng, throughput
+from lambjax.train import checkpointing, loop, noise_scale, phases, prng, throughput
 from lambjax.train import metrics as metrics_lib
 from lambjax.train import plan as plan_lib
 from lambjax.train import step as step_lib
@@ -153,6 +153,8 @@ class PhaseLoop:
         self.step_time = metrics_lib.MeanStepTime()
         self.later_phases_flops = throughput.later_phases_flops(run_plan, phase.plan)
         self.eval_metrics = {}
+        decay = phase.plan.noise_scale_ema_decay
+        self.noise_scale = None if decay is None else noise_scale.NoiseScaleMeter(decay)
 
     def train(self, state, step: int, stop) -> tuple[int, bool]:
         """(final step, whether a stop was requested)."""
@@ -171,6 +173,8 @@ class PhaseLoop:
         train = dict(means)
         train.update(self.throughput.measure(step))
         train["phase"] = self.phase.index + 1
+        if self.noise_scale is not None:
+            train.update(self.noise_scale.update(step, means))
         self.writer.write_scalars(
             self.phase.plan.step_offset + step, {f"train/{k}": v for k, v in train.items()}
         )
