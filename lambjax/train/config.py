@@ -53,6 +53,9 @@ def optimizer_config(name: str = "lamb") -> ml_collections.ConfigDict:
             # gives the paper's / optax's LAMB, where every tensor gets a ratio.
             "exclude_norms_and_biases_from_trust_ratio": True,
             "bias_correction": True,
+            # Where the layers are held one tree per layer (unrolled): update them stacked by
+            # role, a few kernels per role instead of per leaf (lambjax.optim.stacking).
+            "group_layers": False,
         }
     )
 

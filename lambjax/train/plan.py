@@ -46,6 +46,7 @@ class OptimizerPlan:
     max_global_norm: float | None  # None: no pre-clip
     exclude_norms_and_biases_from_trust_ratio: bool  # LAMB: NVIDIA's trust-ratio mask
     bias_correction: bool
+    group_layers: bool = False  # per-layer trees updated stacked (optim.on_stacked_layers)
 
 
 @dataclasses.dataclass(frozen=True)
