@@ -4,14 +4,17 @@ a run with `config.noise_scale.enabled` logs it beside the loss; a phase without
 accumulation is refused in one line."""
 
 import os
+import re
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from lambjax.train import noise_scale
+from configs import default
+from lambjax.train import noise_scale, plan
 from lambjax.train import step as step_lib
+from lambjax.train.config import ConfigError
 from lambjax.train.metrics import read_jsonl
 from tests.helpers import run_demo
 
@@ -106,6 +109,27 @@ def test_a_run_logs_the_noise_scale_beside_the_loss(tmp_path, data_dir):
     assert any(np.isfinite(r.get("train/noise_scale", np.nan)) for r in train)
 
 
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        ({"phases.phase1.grad_accum_steps": 1}, "phase 'phase1' has grad_accum_steps=1"),
+        ({"noise_scale.ema_decay": 1.0}, "config.noise_scale.ema_decay=1.0 must lie in [0, 1)"),
+        (
+            {"gradient_reduction": "once", "phases.phase1.grad_accum_steps": 2},
+            "gradient_reduction='once' and mesh data=2",
+        ),
+    ],
+)
+def test_the_plan_refuses_what_it_cannot_measure(overrides, message):
+    config = default.get_config("runlocal")
+    config.noise_scale.enabled = True
+    config.phases.phase2.grad_accum_steps = 2
+    config.update_from_flattened_dict(overrides)
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        plan.resolve(config, vocab_size=4096, num_devices=2)
+
+
+@pytest.mark.slow
 def test_a_phase_without_accumulation_is_refused_in_one_line(tmp_path, data_dir):
     result = run_demo(
         str(tmp_path),
