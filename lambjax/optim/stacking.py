@@ -105,6 +105,8 @@ def on_stacked_layers(tx: optax.GradientTransformation) -> optax.GradientTransfo
     order, as the unwrapped optimizer's would be.
     """
 
+    tx = optax.with_extra_args_support(tx)
+
     def stacked_view(params):
         first = first_layer_index(params)
 
