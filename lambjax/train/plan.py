@@ -113,9 +113,9 @@ class PhasePlan:
     step_method: method_lib.StepMethod | None  # None: the core train step (lambjax.train.step)
     packing: packing_lib.Packing | None  # training rows of several examples; None: one
     gradient_reduction: str  # each_microbatch | once (lambjax.train.reduction)
-    previous: "PhasePlan | None"  # the phase before, whose final state this one starts from
     # Per-step decay of the noise scale's averages (lambjax.train.noise_scale); None: off.
-    noise_scale_ema_decay: float | None = None
+    noise_scale_ema_decay: float | None
+    previous: "PhasePlan | None"  # the phase before, whose final state this one starts from
 
 
 @dataclasses.dataclass(frozen=True)

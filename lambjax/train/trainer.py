@@ -18,11 +18,12 @@ from clu import periodic_actions
 
 from lambjax import console, distributed, sharding, storage
 from lambjax import data as data_lib
-from lambjax.train import checkpointing, loop, noise_scale, phases, prng, throughput
+from lambjax.train import checkpointing, loop, phases, prng, throughput
 from lambjax.train import metrics as metrics_lib
 from lambjax.train import plan as plan_lib
 from lambjax.train import step as step_lib
 from lambjax.train import workdir as workdir_lib
+from lambjax.train.noise_scale import NoiseScaleMeter
 from lambjax.train.phases import Phase
 from lambjax.train.plan import RunPlan
 
@@ -151,10 +152,10 @@ class PhaseLoop:
             run_plan.checkpoint_every_minutes, run_plan.log_every_steps
         )
         self.step_time = metrics_lib.MeanStepTime()
+        decay = phase.plan.noise_scale_ema_decay
+        self.noise_scale = None if decay is None else NoiseScaleMeter(decay)
         self.later_phases_flops = throughput.later_phases_flops(run_plan, phase.plan)
         self.eval_metrics = {}
-        decay = phase.plan.noise_scale_ema_decay
-        self.noise_scale = None if decay is None else noise_scale.NoiseScaleMeter(decay)
 
     def train(self, state, step: int, stop) -> tuple[int, bool]:
         """(final step, whether a stop was requested)."""
