@@ -24,6 +24,7 @@ from lambjax.optim.schedules import (
     poly_warmup_schedule,
     warmup_constant_decay_schedule,
 )
+from lambjax.optim.stacking import on_stacked_layers
 from lambjax.optim.state import last_norms, last_trust_ratios, per_tensor_tree, restart_step_count
 from lambjax.optim.transforms import (
     LearningRateState,
@@ -48,6 +49,7 @@ __all__ = [
     "last_norms",
     "last_trust_ratios",
     "normalize_per_tensor",
+    "on_stacked_layers",
     "per_tensor_tree",
     "linear_warmup_decay_schedule",
     "poly_warmup_schedule",

@@ -11,15 +11,15 @@ from lambjax.optim.per_tensor import MaskOrFn, flatten_alike, resolve_mask
 from lambjax.optim.transforms import LearningRateState, ScaleByLansState, TrustRatioState
 
 
-def _map_states(fn: Callable[[Any], Any], state):
+def map_states(fn: Callable[[Any], Any], state):
     """Applies `fn` to every NamedTuple in an optimizer state (chains, masks, injections)."""
     if isinstance(state, tuple) and hasattr(state, "_fields"):
         state = fn(state)
-        return type(state)(*(_map_states(fn, field) for field in state))
+        return type(state)(*(map_states(fn, field) for field in state))
     if isinstance(state, tuple | list):
-        return type(state)(_map_states(fn, s) for s in state)
+        return type(state)(map_states(fn, s) for s in state)
     if isinstance(state, dict):
-        return {k: _map_states(fn, v) for k, v in state.items()}
+        return {k: map_states(fn, v) for k, v in state.items()}
     return state
 
 
@@ -36,7 +36,7 @@ def restart_step_count(opt_state):
         counters = [name for name in _STEP_COUNTERS if name in s._fields]
         return s._replace(**{name: jnp.zeros_like(getattr(s, name)) for name in counters})
 
-    return _map_states(restart, opt_state)
+    return map_states(restart, opt_state)
 
 
 def last_trust_ratios(opt_state, params=None, stacked_layers: MaskOrFn = None) -> dict[str, Any]:
@@ -57,7 +57,7 @@ def last_trust_ratios(opt_state, params=None, stacked_layers: MaskOrFn = None) -
             found["trust_ratio_gradient"] = s.gradient_trust_ratios
         return s
 
-    _map_states(collect, opt_state)
+    map_states(collect, opt_state)
     if params is None:
         return found
     return {name: per_tensor_tree(v, params, stacked_layers) for name, v in found.items()}
@@ -106,7 +106,7 @@ def last_norms(opt_state) -> dict[str, jax.Array]:
             found["learning_rate"] = s.last_learning_rate
         return s
 
-    _map_states(collect, opt_state)
+    map_states(collect, opt_state)
     norms = {"param_norm": found["param_norm"]} if "param_norm" in found else {}
     if "direction_norm" in found and "learning_rate" in found:
         norms["update_norm"] = jnp.abs(found["learning_rate"]) * found["direction_norm"]

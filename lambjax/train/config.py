@@ -55,6 +55,9 @@ def optimizer_config(name: str = "lamb") -> ml_collections.ConfigDict:
             # gives the paper's / optax's LAMB, where every tensor gets a ratio.
             "exclude_norms_and_biases_from_trust_ratio": True,
             "bias_correction": True,
+            # Where the layers are held one tree per layer (unrolled): update them stacked by
+            # role, a few kernels per role instead of per leaf (lambjax.optim.stacking).
+            "group_layers": False,
         }
     )
 
@@ -170,6 +173,10 @@ def base_config() -> ml_collections.ConfigDict:
     # A method that replaces the train step: the module that provides it (lambjax.train.method),
     # e.g. "lambjax.contrib.ouroboros", which adds its own fields; "" = the core step.
     config.step_method = ""
+    # The gradient noise scale B_simple (lambjax.train.noise_scale), logged as
+    # train/noise_scale: needs grad_accum_steps >= 2 in every phase. ema_decay: per step,
+    # of the averages of its numerator and denominator.
+    config.noise_scale = ml_collections.ConfigDict({"enabled": False, "ema_decay": 0.95})
     config.phases = ml_collections.ConfigDict()
     config.phase_order = ()
     config.log_every_steps = 10

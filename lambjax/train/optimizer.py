@@ -31,7 +31,16 @@ def learning_rate_schedule(phase) -> optax.Schedule:
 
 def make_optimizer(optimizer_config, schedule: optax.Schedule) -> optax.GradientTransformation:
     """LAMB, LANS or AdamW (a baseline) with BERT's decay exclusions and stacked layers;
-    `bias_correction=False` drops Adam's bias correction (LAMB's and AdamW's; LANS keeps it)."""
+    `bias_correction=False` drops Adam's bias correction (LAMB's and AdamW's; LANS keeps it);
+    `group_layers` updates layers held one tree per layer stacked (`optim.on_stacked_layers`)."""
+    tx = named_optimizer(optimizer_config, schedule)
+    if optimizer_config.group_layers:
+        return optim.on_stacked_layers(tx)
+    return tx
+
+
+def named_optimizer(optimizer_config, schedule: optax.Schedule) -> optax.GradientTransformation:
+    """The optimizer `optimizer_config.name` names, for the stacked tree."""
     name = optimizer_config.name
     common = dict(
         b1=optimizer_config.b1,

@@ -33,7 +33,7 @@ from lambjax import sharding
 from lambjax.data import packing as packing_lib
 from lambjax.models import standardization
 from lambjax.models.config import BertConfig
-from lambjax.train import layer_drop, layerwise, plan_checks, prng, reduction
+from lambjax.train import layer_drop, layerwise, noise_scale, plan_checks, prng, reduction
 from lambjax.train import method as method_lib
 from lambjax.train.config import OPTIMIZERS, ConfigError
 
@@ -50,6 +50,7 @@ class OptimizerPlan:
     max_global_norm: float | None  # None: no pre-clip
     exclude_norms_and_biases_from_trust_ratio: bool  # LAMB: NVIDIA's trust-ratio mask
     bias_correction: bool
+    group_layers: bool = False  # per-layer trees updated stacked (optim.on_stacked_layers)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -116,6 +117,8 @@ class PhasePlan:
     step_method: method_lib.StepMethod | None  # None: the core train step (lambjax.train.step)
     packing: packing_lib.Packing | None  # training rows of several examples; None: one
     gradient_reduction: str  # each_microbatch | once (lambjax.train.reduction)
+    # Per-step decay of the noise scale's averages (lambjax.train.noise_scale); None: off.
+    noise_scale_ema_decay: float | None
     previous: "PhasePlan | None"  # the phase before, whose final state this one starts from
     # The TPU slices each mesh axis spans (config.mesh.dcn; all 1 on one slice).
     mesh_dcn: Mapping[str, int] = dataclasses.field(default_factory=dict)
@@ -160,6 +163,7 @@ def resolve(
         lambda: method and method.check_settings(config),
         lambda: prng.check(config.prng_impl),
         lambda: standardization.check_site(config.standardization_loss.site),
+        lambda: noise_scale.check_settings(config.noise_scale),
     )
     spans = {}
     plan_checks.run_checks(
@@ -190,6 +194,7 @@ def resolve(
         lambda: method and method.check(config, phases),
         lambda: plan_checks.check_stages(phases),
         lambda: reduction.check(config.gradient_reduction, phases),
+        lambda: noise_scale.check(config.noise_scale.enabled, phases),
     )
     return RunPlan(
         phases=tuple(phases),
@@ -294,6 +299,9 @@ def _phase(
         packing=_packing(config.data, phase.max_seq_length),
         gradient_reduction=config.gradient_reduction,
         previous=previous,
+        noise_scale_ema_decay=(
+            config.noise_scale.ema_decay if config.noise_scale.enabled else None
+        ),
     )
 
 

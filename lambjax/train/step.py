@@ -33,7 +33,7 @@ from lambjax import optim
 from lambjax.models import pretraining
 from lambjax.models.config import BertConfig
 from lambjax.models.encoder import LayerOptions
-from lambjax.train import layerwise, reduction
+from lambjax.train import layerwise, noise_scale, reduction
 from lambjax.train.layer_drop import LayerDrop
 from lambjax.train.plan import PhasePlan
 from lambjax.train.state import TrainState
@@ -182,6 +182,8 @@ class StepSettings:
     # The layer stack's options the step starts from (a step method's matmuls, e.g.); the
     # frozen layers, the standardization site and PLD's draws are set on top of them.
     layer_options: LayerOptions = LayerOptions()
+    # Log the gradient noise scale's per-step estimates (lambjax.train.noise_scale).
+    noise_scale: bool = False
 
     @classmethod
     def of(
@@ -205,6 +207,7 @@ class StepSettings:
             standardization_loss_weight=plan.standardization_loss_weight,
             standardization_loss_site=plan.standardization_loss_site,
             reduce_once_on=mesh if plan.gradient_reduction == "once" else None,
+            noise_scale=plan.noise_scale_ema_decay is not None,
         )
 
 
@@ -256,6 +259,9 @@ def train_step(
         return loss, stats
 
     grad_fn = jax.grad(loss_fn, has_aux=True)
+    if settings.noise_scale:  # each micro-batch's squared gradient norm, summed
+        grad_fn = noise_scale.with_sq_norm(grad_fn)
+        stat_keys += (noise_scale.MICROBATCH_SQ_NORM,)
 
     def accumulate(trainable, batch, rng):
         return accumulate_gradients(grad_fn, trainable, batch, rng, grad_accum_steps, stat_keys)
@@ -278,6 +284,13 @@ def train_step(
     if layer_drop is not None:
         metrics["pld_theta"] = layer_drop.theta(state.step)
         metrics["pld_layers_run"] = stats["layers_run_sum"] / grad_accum_steps
+    if settings.noise_scale:
+        global_batch = batch["masked_lm_weights"].shape[0]
+        metrics.update(
+            noise_scale.step_estimates(
+                stats, update_metrics["grad_norm"], global_batch, grad_accum_steps
+            )
+        )
     return new_state, metrics
 
 

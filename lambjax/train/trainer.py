@@ -23,6 +23,7 @@ from lambjax.train import metrics as metrics_lib
 from lambjax.train import plan as plan_lib
 from lambjax.train import step as step_lib
 from lambjax.train import workdir as workdir_lib
+from lambjax.train.noise_scale import NoiseScaleMeter
 from lambjax.train.phases import Phase
 from lambjax.train.plan import RunPlan
 
@@ -185,6 +186,8 @@ class PhaseLoop:
             run_plan.checkpoint_every_minutes, run_plan.log_every_steps
         )
         self.step_time = metrics_lib.MeanStepTime()
+        decay = phase.plan.noise_scale_ema_decay
+        self.noise_scale = None if decay is None else NoiseScaleMeter(decay)
         self.later_phases_flops = throughput.later_phases_flops(run_plan, phase.plan)
         self.eval_metrics = {}
         self.save_pending = False  # a save held back by non-finite steps (`finite`)
@@ -206,6 +209,8 @@ class PhaseLoop:
         train = dict(means)
         train.update(self.throughput.measure(step))
         train["phase"] = self.phase.index + 1
+        if self.noise_scale is not None:
+            train.update(self.noise_scale.update(step, means))
         self.writer.write_scalars(
             self.phase.plan.step_offset + step, {f"train/{k}": v for k, v in train.items()}
         )

@@ -37,7 +37,10 @@ RESUMABLE = (
     # The layers scanned or unrolled: checkpoints hold them stacked either way
     # (lambjax.train.layout).
     "model.overrides.scan_layers",
+    "optimizer.group_layers",
+    "phases.*.optimizer.group_layers",
     # Logging, evaluation, checkpoints, profiling.
+    "noise_scale.*",
     "log_every_steps",
     "eval_every_steps",
     "eval_batch_size",

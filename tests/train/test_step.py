@@ -1,15 +1,17 @@
 """The pure train step: accumulation, non-finite skipping, metrics."""
 
+import dataclasses
 import functools
 
 import jax
 import jax.numpy as jnp
+import ml_collections
 import numpy as np
 import optax
 import pytest
 
 from lambjax import optim
-from lambjax.models import pretraining
+from lambjax.models import layer_layout, pretraining
 from lambjax.models.config import BertConfig
 from lambjax.models.params import init_params
 from lambjax.train import layerwise, trainer
@@ -263,4 +265,35 @@ def test_the_steps_run_the_layer_options_they_are_given(optimizer):
     np.testing.assert_array_equal(
         stats["mlm_loss_sum"],
         step_lib.eval_step(state.params, batch, model_config=CONFIG)["mlm_loss_sum"],
+    )
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["lamb", "lans"])
+def test_grouped_layers_take_the_per_leaf_step(name):
+    """`optimizer.group_layers` on a state held one tree per layer (an unrolled run's):
+    the same step to float32 rounding, the state in the same layout."""
+    config = dataclasses.replace(CONFIG, scan_layers=False)
+    schedule = optax.constant_schedule(1e-3)
+    results = {}
+    for grouped in (False, True):
+        optimizer = make_optimizer(
+            ml_collections.ConfigDict({**optimizer_config(name), "group_layers": grouped}),
+            schedule,
+        )
+        params = layer_layout.unstack_layers(init_params(config, jax.random.key(0)))
+        state = TrainState.create(params, optimizer)
+        settings = step_lib.StepSettings(
+            model_config=config, optimizer=optimizer, schedule=schedule, grad_accum_steps=2
+        )
+        step = jax.jit(functools.partial(step_lib.train_step, settings=settings))
+        for seed in range(2):
+            state, metrics = step(state, random_batch(seed), jax.random.key(seed))
+        results[grouped] = (state, metrics)
+    (per_leaf, per_leaf_metrics), (grouped, grouped_metrics) = results[False], results[True]
+    assert jax.tree.structure(grouped) == jax.tree.structure(per_leaf)
+    for a, b in zip(jax.tree.leaves(grouped), jax.tree.leaves(per_leaf), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(
+        grouped_metrics["update_norm"], per_leaf_metrics["update_norm"], rtol=1e-5
     )
