@@ -33,6 +33,7 @@ class Start:
     vocab_file: str | None
     lower_case: bool | None  # as the checkpoint was trained, where it is known
     description: str
+    vocab_source: str | None = None  # where vocab_file was copied from, if it was (gs://)
 
 
 def load(init: str) -> Start:
@@ -101,12 +102,14 @@ def from_workdir(workdir: str) -> Start:
     config = BertConfig.from_dict(meta["model_config"])
     run_config = json.loads(meta["config"])
     vocab = meta.get("vocab_file")
+    vocab = vocab if vocab and epath.Path(vocab).exists() else None
     return Start(
         config,
         state["params"],
-        storage.local_copy(vocab) if vocab and epath.Path(vocab).exists() else None,
+        storage.local_copy(vocab) if vocab else None,
         run_config.get("data", {}).get("lower_case"),
         f"phase {phase} (step {step}) of {workdir}",
+        vocab,
     )
 
 

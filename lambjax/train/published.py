@@ -84,7 +84,7 @@ def _from_workdir(init: str, path: str) -> Published:
         init,
         start.model_config,
         start.params,
-        start.vocab_file,
+        start.vocab_source or start.vocab_file,  # as recorded: a resume sees the same config
         start.lower_case,
         "MLM and NSP heads from the run",
         start.description,
