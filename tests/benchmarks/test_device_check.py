@@ -57,6 +57,7 @@ def run_without_the_training_stack(*flags) -> subprocess.CompletedProcess:
 
 
 @pytest.mark.slow
+@pytest.mark.compat  # the accelerator images run jax 0.11
 def test_the_tiny_check_runs_without_the_training_stack(tmp_path):
     out = tmp_path / "out"
     result = run_without_the_training_stack(
