@@ -495,7 +495,11 @@ def main(argv=None) -> int:
         except Exception as e:  # noqa: BLE001
             report.failed(record, e)
     run_steps(report, args, [form, "xla"] if form else ["xla"])
-    print("\n" + table(report), flush=True)
+    summary = table(report)
+    print("\n" + summary, flush=True)
+    if args.out:
+        with open(os.path.join(args.out, "table.md"), "w") as f:
+            f.write(summary + "\n")
     print(
         f"{len(report.steps)} step configurations measured, {report.failures} checks failed, "
         f"in {report.elapsed():.0f} s"
