@@ -263,6 +263,8 @@ def compiled_costs(compiled) -> dict:
 
 
 def peak_memory_gb() -> float | None:
+    """The device's peak use since the process started (JAX cannot reset it): the largest
+    configuration so far, where `compiled_memory_gb` is this step's own."""
     stats = jax.local_devices()[0].memory_stats() or {}
     peak = stats.get("peak_bytes_in_use")
     return round(peak / 2**30, 2) if peak else None
@@ -328,7 +330,7 @@ def time_step(report: Report, args, case: StepCase, profile: bool) -> dict:
         "ms_blocked_median": round(statistics.median(blocked) * 1e3, 2),
         "seq_per_s": round(sequences / seconds, 1),
         "mfu": round(flops / seconds / (peak * jax.device_count()), 4) if peak else None,
-        "peak_memory_gb": peak_memory_gb(),
+        "device_peak_gb_so_far": peak_memory_gb(),
         **compiled_costs(compiled),
         "loss": loss,
         "ok": bool(np.isfinite(loss)),
@@ -397,16 +399,15 @@ def table(report: Report) -> str:
     """The step records as a Markdown table, then each profile's summary."""
     lines = [
         "| phase | attention | accum | layers | seq/step | compile s | ms/step | seq/s | MFU "
-        "| peak GB | idle share |",
+        "| step GB | idle share |",
         "|---:|---|---:|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in report.steps:
-        memory = r["peak_memory_gb"] or f"{r.get('compiled_memory_gb')} (XLA's estimate)"
         idle = r.get("profile", {}).get("idle_share", "")
         lines.append(
             f"| {r['phase']} | {r['attention_ran']} | {r['grad_accum']} | {r['layers']} "
             f"| {r['sequences_per_step']} | {r['compile_s']} | {r['ms_per_step']} "
-            f"| {r['seq_per_s']} | {r['mfu']} | {memory} | {idle} |"
+            f"| {r['seq_per_s']} | {r['mfu']} | {r.get('compiled_memory_gb')} | {idle} |"
         )
     for r in report.steps:
         profile = r.get("profile", {})
