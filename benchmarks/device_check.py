@@ -336,7 +336,10 @@ def time_step(report: Report, args, case: StepCase, profile: bool) -> dict:
         "ok": bool(np.isfinite(loss)),
     }
     if profile and args.profile_steps:
-        record["profile"] = profile_steps(args, compiled, state, batch, rng)
+        try:  # a profiler that cannot start (no CUPTI, say) leaves the timing standing
+            record["profile"] = profile_steps(args, compiled, state, batch, rng)
+        except Exception as e:  # noqa: BLE001
+            record["profile"] = {"error": f"{type(e).__name__}: {e}"[:500]}
     return record
 
 
