@@ -2,8 +2,8 @@
 
 Read through JAX's public `jax.profiler.ProfileData` (no TensorBoard or xprof needed). On a
 GPU or TPU the device's planes hold the kernels (GPU: one line per CUDA stream) and the XLA
-ops they belong to ("XLA Ops"); on CPU the XLA ops run on the PjRt client's threads of the
-host plane, and those stand in for both. The summary: kernels per step, device time per
+ops they belong to ("XLA Ops"); on CPU the XLA ops (the events that name their HLO op) run
+on the host's threads, and those stand in for both. The summary: kernels per step, device time per
 step by kernel class, the top kernels and ops, and the device's idle share of the profiled
 window (the time no kernel ran: launches, host work, waits).
 """
@@ -69,11 +69,10 @@ def _device_lines(data):
                     kernels += _events(line)
     if kernels or ops:  # a TPU names no streams: its ops are its kernels
         return kernels or ops, ops or kernels
-    for plane in data.planes:  # CPU: the PjRt client's threads run the XLA ops
+    for plane in data.planes:  # CPU: the host's threads run the XLA ops
         if plane.name.startswith("/host:CPU"):
             for line in plane.lines:
-                if "pjrtcpuclient" in line.name.lower():
-                    ops += _events(line, xla_ops_only=True)
+                ops += _events(line, xla_ops_only=True)
     return ops, ops
 
 
