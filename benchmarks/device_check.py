@@ -12,12 +12,12 @@ shipped. Each result is one JSON line on stdout (and in OUT/results.jsonl as it 
      backward, at BERT-large's heads (16 x 64) in bfloat16, S = 128 and 512, right-padded
      and packed rows: relative errors of the output and of dq, dk, dv.
   2. steps: pretraining steps of `--preset` (BERT-large), LAMB with NVIDIA's settings, phase
-     1 (S = 128, 20 predictions, `--phase1-batch` sequences per micro-batch) and phase 2
-     (S = 512, 80 predictions, `--phase2-batch`, halved on out-of-memory), each with the
+     1 (S = 128, 20 predictions, `--phase1-batch` sequences per device and micro-batch) and
+     phase 2 (S = 512, 80 predictions, `--phase2-batch`, halved on out-of-memory), each with the
      fused form (attention dropout 0, the `fast` variant) and `xla` (dropout 0.1, the
      recipe), accumulation over 1 and 4 micro-batches, layers held per layer (unrolled) and
      stacked (scanned): compile seconds, step time, sequences/s, MFU against the device's
-     data-sheet peak, peak memory, XLA's cost analysis, and for the first configuration of
+     data-sheet peak, memory, XLA's cost analysis, and for the first configuration of
      each phase and form a profile of `--profile-steps` steps (benchmarks/trace_summary.py:
      time by kernel class, top kernels and ops, the device's idle share).
 
@@ -78,7 +78,7 @@ class StepCase:
     attention: str  # the platform's fused form or "xla"
     grad_accum: int
     layers: str
-    batch: int  # sequences per micro-batch, all devices together
+    batch: int  # sequences per device and micro-batch
 
 
 class Report:
@@ -199,7 +199,7 @@ def time_step(report: Report, args, case: StepCase, profile: bool) -> dict:
 
     replicated = NamedSharding(mesh, PartitionSpec())
     state = jax.jit(init_state, out_shardings=replicated)(jax.random.key(0))
-    sequences = case.batch * case.grad_accum
+    sequences = case.batch * jax.device_count() * case.grad_accum
     batch = random_batch(np.random.default_rng(0), sequences, seq, predictions, args.vocab_size)
     batch = jax.device_put(batch, NamedSharding(mesh, PartitionSpec("data")))
     rng = jax.random.key(1)
@@ -368,8 +368,9 @@ def parse_args(argv):
     parser.add_argument("--phases", default="1,2")
     parser.add_argument("--grad-accum", default=",".join(map(str, ACCUMULATION)))
     parser.add_argument("--layers", default=",".join(LAYERS))
-    parser.add_argument("--phase1-batch", type=int, default=0, help="default: by preset")
-    parser.add_argument("--phase2-batch", type=int, default=0, help="default: by preset")
+    by_preset = "per device; default: by preset"
+    parser.add_argument("--phase1-batch", type=int, default=0, help=by_preset)
+    parser.add_argument("--phase2-batch", type=int, default=0, help=by_preset)
     parser.add_argument("--kernel-batch", type=int, default=8)
     parser.add_argument("--profile-steps", type=int, default=3, help="0: no profiles")
     parser.add_argument("--time-budget", type=float, default=420.0, help="seconds; see above")

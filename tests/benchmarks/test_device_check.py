@@ -45,7 +45,8 @@ runpy.run_module("benchmarks.device_check", run_name="__main__", alter_sys=True)
 
 
 def run_without_the_training_stack(*flags) -> subprocess.CompletedProcess:
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": REPO}
+    # As a user starts it: one CPU device (not the 8 the test process fakes).
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": REPO, "XLA_FLAGS": ""}
     return subprocess.run(
         [sys.executable, "-c", WITHOUT_THEM, ",".join(NOT_ON_THE_IMAGE), *flags],
         cwd=REPO,
