@@ -6,8 +6,12 @@
 # pytest. The full suite runs on jax 0.10.x (scripts/test.sh); CI runs both.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-VENV=.venv-compat PYTHON="${PYTHON_COMPAT:-$(command -v python3.12)}" EXTRAS=compat \
-  bash scripts/venv.sh
+python="${PYTHON_COMPAT:-$(command -v python3.12 || true)}"
+if [ -z "$python" ]; then
+  echo "scripts/test_compat.sh: no python3.12 on PATH; name one in PYTHON_COMPAT" >&2
+  exit 2
+fi
+VENV=.venv-compat PYTHON="$python" EXTRAS=compat bash scripts/venv.sh
 .venv-compat/bin/python -c 'import jax, sys; print(f"compat tier: jax {jax.__version__}, Python {sys.version.split()[0]}")'
 exec .venv-compat/bin/python -m pytest -n 2 --dist loadfile -m "not slow or compat" "$@" \
   tests/optim tests/models/test_bert.py tests/models/test_attention.py \
