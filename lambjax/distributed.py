@@ -15,22 +15,64 @@ host memory, which must precede JAX's threads.
 import glob
 import os
 import signal
+from typing import NamedTuple
 
 from absl import logging
 
 
-def detected_cluster():
+class Cluster(NamedTuple):
+    """A cluster environment: its name and its process count (None: JAX's initialize finds
+    it, as on a Cloud TPU VM, whose workers only the metadata server lists)."""
+
+    name: str
+    process_count: int | None
+
+
+def detected_cluster() -> Cluster | None:
     """The cluster environment JAX's own detection finds, or None.
 
     The same search `jax.distributed.initialize()` makes with no arguments: the first
-    registered `ClusterEnv` (not opt-in only, e.g. mpi4py) whose `is_env_present()` holds.
+    registered cluster environment (not opt-in only, e.g. mpi4py) that is present. JAX keeps
+    that registry in a private module (`jax._src.clusters`); where a JAX release has moved
+    it, `cluster_from_environment` reads the variables the launchers set instead.
     """
-    from jax._src import clusters  # private; setup.py pins jax to 0.10.x
+    try:
+        from jax._src import clusters
 
-    for env in clusters.ClusterEnv._cluster_types:
+        cluster_types = clusters.ClusterEnv._cluster_types
+    except (ImportError, AttributeError) as e:
+        logging.warning(
+            "jax %s has no jax._src.clusters.ClusterEnv (%s): lambjax detects SLURM, Open MPI "
+            "and TPU workers from their environment instead",
+            _jax_version(),
+            e,
+        )
+        return cluster_from_environment()
+    for env in cluster_types:
         if not env.opt_in_only_method and env.is_env_present():
-            return env
+            return Cluster(env.name, env.get_process_count())
     return None
+
+
+def cluster_from_environment(environ=None, root: str = "/") -> Cluster | None:
+    """The cluster the launchers' own variables name (SLURM, Open MPI, GKE's TPU workers),
+    else a Cloud TPU VM where this host has TPU chips, else None."""
+    environ = os.environ if environ is None else environ
+    if "SLURM_JOB_ID" in environ:
+        return Cluster("slurm", int(environ.get("SLURM_NTASKS", "1")))
+    if "OMPI_MCA_orte_hnp_uri" in environ or "OMPI_COMM_WORLD_SIZE" in environ:
+        return Cluster("ompi", int(environ.get("OMPI_COMM_WORLD_SIZE", "1")))
+    if environ.get("TPU_WORKER_HOSTNAMES"):
+        return Cluster("gke", len(environ["TPU_WORKER_HOSTNAMES"].split(",")))
+    if tpu_chip_count(root):
+        return Cluster("gcetpu", None)
+    return None
+
+
+def _jax_version() -> str:
+    import jax
+
+    return jax.__version__
 
 
 def initialize(
@@ -69,7 +111,7 @@ def initialize(
         # One process needs no coordinator, and joining would cost something: under SLURM
         # JAX then restricts the process to GPU SLURM_LOCALID (one GPU of an `srun --pty`
         # shell's eight).
-        if cluster is None or cluster.get_process_count() <= 1:
+        if cluster is None or (cluster.process_count is not None and cluster.process_count <= 1):
             return
         logging.info("jax.distributed: %s cluster detected", cluster.name)
         _use_gloo_on_cpu()

@@ -24,6 +24,7 @@ The step's settings are one `StepSettings`, built from the phase's plan in `Step
 
 import dataclasses
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
@@ -35,8 +36,10 @@ from lambjax.models.config import BertConfig
 from lambjax.models.encoder import LayerOptions
 from lambjax.train import layerwise, noise_scale, reduction
 from lambjax.train.layer_drop import LayerDrop
-from lambjax.train.plan import PhasePlan
 from lambjax.train.state import TrainState
+
+if TYPE_CHECKING:  # the plan imports the config's ml_collections, which the step does not need
+    from lambjax.train.plan import PhasePlan
 
 STAT_KEYS = (
     "mlm_loss_sum",
@@ -188,7 +191,7 @@ class StepSettings:
     @classmethod
     def of(
         cls,
-        plan: PhasePlan,
+        plan: "PhasePlan",
         optimizer: optax.GradientTransformation,
         schedule: optax.Schedule,
         mesh: jax.sharding.Mesh,

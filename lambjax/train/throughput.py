@@ -6,11 +6,14 @@ from what XLA runs, so recomputation (remat) does not count and runs compare by 
 """
 
 import time
+from typing import TYPE_CHECKING
 
 import jax
 
 from lambjax.models.config import BertConfig
-from lambjax.train.plan import PhasePlan, RunPlan
+
+if TYPE_CHECKING:  # the plan imports the config's ml_collections, which FLOP counts do not need
+    from lambjax.train.plan import PhasePlan, RunPlan
 
 # Peak dense bf16 FLOP/s of one JAX device, by `device_kind` prefix (vendor data sheets).
 PEAK_FLOPS_BY_DEVICE_KIND = {
@@ -103,7 +106,7 @@ class Throughput:
         return out
 
 
-def phase_step_flops(plan: PhasePlan) -> int:
+def phase_step_flops(plan: "PhasePlan") -> int:
     """Model FLOPs of one optimizer step of the phase `plan`."""
     return train_step_flops(
         plan.model,
@@ -114,12 +117,12 @@ def phase_step_flops(plan: PhasePlan) -> int:
     )
 
 
-def later_phases_flops(run_plan: RunPlan, plan: PhasePlan) -> int:
+def later_phases_flops(run_plan: "RunPlan", plan: "PhasePlan") -> int:
     """Model FLOPs of every step of the phases after `plan` (for the run's ETA)."""
     return sum(p.num_steps * phase_step_flops(p) for p in run_plan.phases[plan.index + 1 :])
 
 
-def phase_meter(run_plan: RunPlan, plan: PhasePlan) -> Throughput:
+def phase_meter(run_plan: "RunPlan", plan: "PhasePlan") -> Throughput:
     """The throughput meter of the phase `plan` over all of this run's devices."""
     peak = peak_flops_per_device(run_plan.peak_flops_per_device)
     return Throughput(

@@ -13,7 +13,8 @@
 set -euo pipefail
 DIR="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 PYTHON_VERSION="${PYTHON_VERSION:-3.11}"
-JAX_TPU="jax[tpu]>=0.10,<0.11"
+# The JAX each Python resolves (setup.py): 0.10.x on 3.11, 0.11.x on 3.12 and later.
+if [ "$PYTHON_VERSION" = 3.11 ]; then JAX_TPU="jax[tpu]>=0.10,<0.11"; else JAX_TPU="jax[tpu]>=0.11,<0.12"; fi
 # libtpu takes this lock while a process holds the TPU; one killed without cleaning up
 # leaves it behind, and the next process then fails to open the TPU.
 LIBTPU_LOCKFILE="${LIBTPU_LOCKFILE:-/tmp/libtpu_lockfile}"

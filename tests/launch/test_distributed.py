@@ -57,6 +57,60 @@ def test_no_cluster_is_a_single_process(monkeypatch):
     distributed.initialize()
 
 
+@pytest.fixture
+def private_clusters_moved(monkeypatch):
+    """A JAX whose private cluster registry is not where lambjax looks."""
+    import jax._src
+
+    monkeypatch.delattr(jax._src, "clusters")
+    monkeypatch.setitem(sys.modules, "jax._src.clusters", None)  # import raises ImportError
+
+
+@pytest.mark.parametrize(
+    "environ, expected",
+    [
+        ({"SLURM_JOB_ID": "7", "SLURM_NTASKS": "16"}, ("slurm", 16)),
+        ({"OMPI_MCA_orte_hnp_uri": "1.2.3.4:5", "OMPI_COMM_WORLD_SIZE": "4"}, ("ompi", 4)),
+        ({"TPU_WORKER_HOSTNAMES": "w-0,w-1,w-2,w-3"}, ("gke", 4)),
+        ({}, None),
+    ],
+)
+def test_without_jax_private_detection_the_environment_names_the_cluster(
+    private_clusters_moved, monkeypatch, caplog, tmp_path, environ, expected
+):
+    for name in ("SLURM_JOB_ID", "OMPI_MCA_orte_hnp_uri", "OMPI_COMM_WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.delenv("TPU_WORKER_HOSTNAMES", raising=False)
+    for name, value in environ.items():
+        monkeypatch.setenv(name, value)
+    assert distributed.cluster_from_environment(environ, root=str(tmp_path)) == expected
+    if distributed.tpu_chip_count() == 0:  # this machine: the same through detected_cluster
+        with caplog.at_level("WARNING"):
+            assert distributed.detected_cluster() == expected
+        moved = [r.getMessage() for r in caplog.records if "jax._src.clusters" in r.getMessage()]
+        assert len(moved) == 1 and "from their environment instead" in moved[0]
+
+
+def test_without_jax_private_detection_a_tpu_host_lets_jax_find_its_workers(tmp_path):
+    pci = tmp_path / "sys" / "bus" / "pci" / "devices" / "0000:00:04.0"
+    pci.mkdir(parents=True)
+    (pci / "vendor").write_text("0x1ae0\n")
+    (pci / "device").write_text("0x005e\n")
+    assert distributed.cluster_from_environment({}, root=str(tmp_path)) == ("gcetpu", None)
+
+
+def test_without_jax_private_detection_a_slurm_job_is_joined(private_clusters_moved, monkeypatch):
+    monkeypatch.setenv("SLURM_JOB_ID", "7")
+    monkeypatch.setenv("SLURM_NTASKS", "2")
+    joined = []
+    monkeypatch.setattr(jax.distributed, "initialize", lambda *a, **k: joined.append((a, k)))
+    distributed.initialize()
+    assert joined == [((), {"heartbeat_timeout_seconds": 100})]
+    monkeypatch.setenv("SLURM_NTASKS", "1")  # one task: nothing to join
+    distributed.initialize()
+    assert len(joined) == 1
+
+
 def test_explicit_flags_go_together():
     with pytest.raises(ValueError, match="go together.*num_processes=2, process_id=None"):
         distributed.initialize("127.0.0.1:1234", 2, None)
