@@ -6,9 +6,17 @@
 # pytest. The full suite runs on jax 0.10.x (scripts/test.sh); CI runs both.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-python="${PYTHON_COMPAT:-$(command -v python3.12 || true)}"
+# A Python 3.12 that runs: PYTHON_COMPAT, python3.12 on PATH, else one that pyenv installed
+# (pyenv's shim answers "command not found" when 3.12 is not the selected version).
+python=""
+for candidate in "${PYTHON_COMPAT:-}" python3.12 "$(pyenv root 2>/dev/null)"/versions/3.12*/bin/python3.12; do
+  if [ -n "$candidate" ] && "$candidate" -c 'import sys; assert sys.version_info[:2] == (3, 12)' 2>/dev/null; then
+    python=$(command -v "$candidate")
+    break
+  fi
+done
 if [ -z "$python" ]; then
-  echo "scripts/test_compat.sh: no python3.12 on PATH; name one in PYTHON_COMPAT" >&2
+  echo "scripts/test_compat.sh: no Python 3.12 found (PATH, pyenv); name one in PYTHON_COMPAT" >&2
   exit 2
 fi
 VENV=.venv-compat PYTHON="$python" EXTRAS=compat bash scripts/venv.sh
