@@ -6,8 +6,9 @@
 # Commands:
 #   create        a TPU VM (QUEUED=1: a queued resource, then waits until it is ACTIVE)
 #   wait          waits until the queued resource is ACTIVE (QUEUE_TIMEOUT seconds at most)
-#   install       ships this checkout's HEAD commit to every worker; a uv-managed Python 3.11
-#                 venv there with lambjax[train] and jax[tpu]
+#   install       ships this checkout's HEAD commit to every worker; a uv-managed Python
+#                 (PYTHON_VERSION: 3.11 with jax 0.10, 3.12 with jax 0.11) venv there with
+#                 lambjax[train] and jax[tpu]
 #   train         starts python -m lambjax.main --config=$CONFIG --workdir=$BUCKET/$RUN and
 #                 the flags after `--` on every worker (leftover processes and the libtpu
 #                 lockfile cleared first); a run that exists resumes from its checkpoint
@@ -37,7 +38,7 @@
 #                                  workers); CONFIG: configs/X.py[:size,variants]
 #   SPOT=1, QUEUED=1               spot capacity; a queued resource instead of a plain VM
 #   QUEUE_TIMEOUT (21600 s), POLL_SECONDS (60), RETRY_MAX_SECONDS (600), STOP_TIMEOUT (900 s),
-#   MAX_RECREATES (20), LOGS_DIR (tpu-logs/$RUN), DRY_RUN=1 (print the gcloud commands, run
+#   PYTHON_VERSION (3.11), MAX_RECREATES (20), LOGS_DIR (tpu-logs/$RUN), DRY_RUN=1 (print the gcloud commands, run
 #   nothing)
 set -euo pipefail
 LAUNCH_DIR="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
@@ -51,7 +52,8 @@ usage() {
 }
 
 SETTINGS=(PROJECT ZONE TPU_NAME ACCELERATOR_TYPE RUNTIME_VERSION BUCKET RUN CONFIG SPOT QUEUED
-  QUEUE_TIMEOUT POLL_SECONDS RETRY_MAX_SECONDS STOP_TIMEOUT MAX_RECREATES LOGS_DIR DRY_RUN)
+  QUEUE_TIMEOUT POLL_SECONDS RETRY_MAX_SECONDS STOP_TIMEOUT MAX_RECREATES LOGS_DIR DRY_RUN
+  PYTHON_VERSION)
 COMMAND="${1:-}"
 [ $# -gt 0 ] && shift
 TRAIN_FLAGS=()
@@ -125,7 +127,9 @@ quote() { printf '%q ' "$@"; }
 on_workers() {  # on_workers all|N COMMAND_LINE
   run gcloud compute tpus tpu-vm ssh "$TPU_NAME" "${WHERE[@]}" --worker="$1" --command="$2"
 }
-worker_script() { echo "bash ~/lambjax/launch/tpu/worker.sh $1"; }
+worker_script() {  # the Python the workers' venv uses (and so their JAX) goes with each call
+  echo "PYTHON_VERSION=$(quote "${PYTHON_VERSION:-3.11}")bash ~/lambjax/launch/tpu/worker.sh $1"
+}
 
 # --- The TPU's state ------------------------------------------------------------------------
 

@@ -168,6 +168,18 @@ def test_install_from_any_directory_into_a_python_311_venv(cloud, tmp_path):
         ]  # fmt: skip
 
 
+def test_python_version_312_installs_jax_011_on_every_worker(cloud):
+    """PYTHON_VERSION picks the workers' Python and with it the JAX that setup.py pairs with it."""
+    tpu_vm(cloud, "create")
+    tpu_vm(cloud, "install", "--python-version=3.12")
+    for worker in range(2):
+        home = cluster_fakes.worker_home(cloud, "bert", worker)
+        with open(os.path.join(home, "uv-calls.jsonl")) as f:
+            venv, pip = [json.loads(line) for line in f]
+        assert venv == ["venv", "--allow-existing", "--python", "3.12", ".venv"]
+        assert pip[-1] == "jax[tpu]>=0.11,<0.12"
+
+
 def test_train_passes_flags_through_quoted_and_clears_leftovers(installed):
     env = installed
     homes = [cluster_fakes.worker_home(env, "bert", w) for w in range(2)]
