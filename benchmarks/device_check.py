@@ -15,9 +15,9 @@ shipped. Each result is one JSON line on stdout (and in OUT/results.jsonl as it 
      1 (S = 128, 20 predictions, `--phase1-batch` sequences per device and micro-batch) and
      phase 2 (S = 512, 80 predictions, `--phase2-batch`, halved on out-of-memory), each with the
      fused form (attention dropout 0, the `fast` variant) and `xla` (dropout 0.1, the
-     recipe), accumulation over 1 and 4 micro-batches, layers held per layer (unrolled) and
-     stacked (scanned): compile seconds, step time, sequences/s, MFU against the device's
-     data-sheet peak, memory, XLA's cost analysis, and for the first configuration of
+     recipe), accumulation over 1 and 4 micro-batches, layers held per layer (unrolled; with
+     accumulation 1 also `grouped`, the optimizer on stacked layers) and stacked (scanned):
+     compile seconds, step time, sequences/s, MFU against the device's data-sheet peak, memory, XLA's cost analysis, and for the first configuration of
      each phase and form a profile of `--profile-steps` steps (benchmarks/trace_summary.py:
      time by kernel class, top kernels and ops, the device's idle share).
 
@@ -55,7 +55,8 @@ from lambjax.train.throughput import peak_flops_per_device, train_step_flops
 
 PHASES = {1: (128, 20), 2: (512, 80)}  # sequence length, masked predictions per sequence
 ACCUMULATION = (1, 4)
-LAYERS = {"unrolled": False, "scan": True}  # scan_layers
+# scan_layers; "grouped" is unrolled with the optimizer on stacked layers (group_layers).
+LAYERS = {"unrolled": False, "grouped": False, "scan": True}
 # NVIDIA's LAMB: lambjax.train.config.optimizer_config('lamb'), which needs ml_collections.
 NVIDIA_LAMB = types.SimpleNamespace(
     name="lamb",
@@ -66,6 +67,7 @@ NVIDIA_LAMB = types.SimpleNamespace(
     max_global_norm=1.0,
     exclude_norms_and_biases_from_trust_ratio=True,
     bias_correction=True,
+    group_layers=False,
 )
 RECIPE_ATTENTION_DROPOUT = 0.1
 DEFAULT_BATCHES = {"base": {1: 128, 2: 32}, "large": {1: 128, 2: 32}}
@@ -183,7 +185,8 @@ def time_step(report: Report, args, case: StepCase, profile: bool) -> dict:
     seq, predictions = PHASES[case.phase]
     config = model_config(args, case)
     schedule = optax.constant_schedule(1e-3)
-    optimizer = make_optimizer(NVIDIA_LAMB, schedule)
+    recipe = {**vars(NVIDIA_LAMB), "group_layers": case.layers == "grouped"}
+    optimizer = make_optimizer(types.SimpleNamespace(**recipe), schedule)
     mesh = Mesh(np.array(jax.devices()), ("data",))
     settings = step_lib.StepSettings(
         model_config=config,
@@ -272,7 +275,8 @@ def step_cases(args, forms: list[str]) -> list[StepCase]:
     """Every configuration, the most informative first: accumulation 1 per-layer for each
     phase and form, then the scanned layers, then accumulation 4."""
     cases = []
-    for accum, layers in ((1, "unrolled"), (1, "scan"), (4, "unrolled"), (4, "scan")):
+    order = ((1, "unrolled"), (1, "grouped"), (1, "scan"), (4, "unrolled"), (4, "scan"))
+    for accum, layers in order:
         if accum not in args.grad_accum or layers not in args.layers:
             continue
         for phase, form in itertools.product(args.phases, forms):

@@ -77,10 +77,13 @@ def test_the_tiny_check_runs_without_the_training_stack(tmp_path):
     assert all(r["ok"] and r["dq_rel_err"] < 3e-2 for r in kernels)
     steps = [r for r in records if r["check"] == "step"]
     assert sorted((r["phase"], r["grad_accum"], r["layers"]) for r in steps) == sorted(
-        (phase, accum, layers)
-        for phase in (1, 2)
-        for accum in (1, 4)
-        for layers in ("unrolled", "scan")
+        [(phase, 1, "grouped") for phase in (1, 2)]
+        + [
+            (phase, accum, layers)
+            for phase in (1, 2)
+            for accum in (1, 4)
+            for layers in ("unrolled", "scan")
+        ]
     )
     for r in steps:
         assert r["ok"] and r["attention_ran"] == "xla" and r["seq_per_s"] > 0
@@ -96,7 +99,7 @@ def test_the_tiny_check_runs_without_the_training_stack(tmp_path):
         assert sum(r["profile"]["ms_per_step_by_class"].values()) > 0
         assert 0 <= r["profile"]["idle_share"] <= 1
     assert "| phase | attention | accum |" in result.stdout
-    assert "8 step configurations measured, 0 checks failed" in result.stdout
+    assert "10 step configurations measured, 0 checks failed" in result.stdout
 
 
 def test_no_step_starts_after_the_time_budget(monkeypatch, capsys):
@@ -106,8 +109,9 @@ def test_no_step_starts_after_the_time_budget(monkeypatch, capsys):
     printed = [json.loads(line) for line in lines if line.startswith("{")]
     records = [r for r in printed if r["check"] == "step"]
     assert [(r["phase"], r["grad_accum"], r["layers"]) for r in records] == [
-        (1, 1, "unrolled"), (2, 1, "unrolled"), (1, 1, "scan"), (2, 1, "scan"),
-        (1, 4, "unrolled"), (2, 4, "unrolled"), (1, 4, "scan"), (2, 4, "scan"),
+        (1, 1, "unrolled"), (2, 1, "unrolled"), (1, 1, "grouped"), (2, 1, "grouped"),
+        (1, 1, "scan"), (2, 1, "scan"), (1, 4, "unrolled"), (2, 4, "unrolled"),
+        (1, 4, "scan"), (2, 4, "scan"),
     ]  # fmt: skip
     assert all(r["skipped"] == "time budget" for r in records)
 
@@ -117,7 +121,7 @@ def test_no_step_starts_after_the_time_budget(monkeypatch, capsys):
     [
         ("--phases=1,3", "--phases='1,3': each must be one of (1, 2)"),
         ("--grad-accum=0", "--grad-accum='0': each must be > 0"),
-        ("--layers=unrolled,stacked", "each must be one of ['unrolled', 'scan']"),
+        ("--layers=unrolled,stacked", "each must be one of ['unrolled', 'grouped', 'scan']"),
         ("--steps=0", "--steps=0: must be > 0"),
         ("--preset=huge", "invalid choice: 'huge'"),
     ],
