@@ -17,8 +17,9 @@ shipped. Each result is one JSON line on stdout (and in OUT/results.jsonl as it 
      fused form (attention dropout 0, the `fast` variant) and `xla` (dropout 0.1, the
      recipe), accumulation over 1 and 4 micro-batches, layers held per layer (unrolled; with
      accumulation 1 also `grouped`, the optimizer on stacked layers) and stacked (scanned):
-     compile seconds, step time, sequences/s, MFU against the device's data-sheet peak, memory, XLA's cost analysis, and for the first configuration of
-     each phase and form a profile of `--profile-steps` steps (benchmarks/trace_summary.py:
+     compile seconds, step time, sequences/s, MFU against the device's data-sheet peak,
+     memory, XLA's cost analysis, and for the first configuration of each phase and form a
+     profile of `--profile-steps` steps (benchmarks/trace_summary.py:
      time by kernel class, top kernels and ops, the device's idle share).
 
 The most informative measurements come first, and none starts after `--time-budget` seconds,
