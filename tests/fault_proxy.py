@@ -1,6 +1,7 @@
 """A proxy between lambjax and the GCS emulator (tests/gcs_emulator.py) that fails requests
-as real buckets do: a chosen share of them is answered 429 (rate limit) or 503 (backend
-unavailable), has its connection reset, or stalls before it is answered.
+as real buckets do: a chosen share of them is answered 429 (rate limit), 503 (backend
+unavailable) or 403 (write access revoked: not retried by the clients), has its connection
+reset, or stalls before it is answered.
 
 It runs in the test process (a thread), on a free local port; `url` replaces the emulator's
 in what lambjax reads (`environment`). Each request is read whole, then either failed or sent
@@ -10,7 +11,7 @@ that every later request of the client comes back through it.
 
   proxy = FaultProxy(emulator.url)
   proxy.inject(share=0.1, kinds=("429", "503", "reset"))       # transient
-  proxy.inject(share=1.0, kinds=("503",), match=uploads)       # persistent, writes only
+  proxy.inject(share=1.0, kinds=("403",), match=uploads)       # persistent, writes only
   proxy.inject(share=0.0)                                      # healthy again
 """
 
@@ -26,7 +27,7 @@ import time
 from collections import Counter
 from collections.abc import Callable
 
-KINDS = ("429", "503", "reset", "stall")
+KINDS = ("429", "503", "403", "reset", "stall")
 
 _HOP_BY_HOP = {"connection", "keep-alive", "transfer-encoding", "content-length", "host"}
 
@@ -163,7 +164,7 @@ def _handler(proxy: FaultProxy):
                 self.close_connection = True
                 self.connection.close()
                 return
-            if kind in ("429", "503"):
+            if kind in ("429", "503", "403"):
                 code = int(kind)
                 message = json.dumps({"error": {"code": code, "message": "injected fault"}})
                 self.reply(code, [("Content-Type", "application/json")], message.encode())

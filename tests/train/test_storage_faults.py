@@ -72,12 +72,14 @@ def test_transient_faults_leave_the_losses_as_they_were(proxy, gcs_bucket, clean
 
 def test_a_bucket_that_keeps_refusing_writes_ends_the_run_in_one_line(proxy, gcs_bucket, clean_run):
     """From the first checkpoint on, every upload by gcsfs (the metrics mirror, Orbax's own
-    files) is answered 503: the next save fails after gcsfs's retries."""
+    files) is refused with 403, as when the run's write access is revoked: the next save
+    fails. (A persistent 503 ends the same way once the clients' retries are spent, which
+    takes minutes per request: docs/guide/reliability.md.)"""
     workdir = f"{gcs_bucket}/faults/persistent"
     process = start(proxy, workdir, f"{gcs_bucket}/faults/clean-data")
     phase1 = epath.Path(workdir) / "checkpoints" / "phase1"
     helpers.wait_until((phase1 / "4" / "commit_success.txt").exists, process, timeout=600)
-    proxy.inject(share=1.0, kinds=("503",), match=gcsfs_uploads)
+    proxy.inject(share=1.0, kinds=("403",), match=gcsfs_uploads)
     try:
         _, stderr = process.communicate(timeout=1200)
     finally:
