@@ -29,7 +29,39 @@ from etils import epath
 from lambjax import storage
 
 
-class JsonlWriter(metric_writers.MetricWriter):
+class ScalarsOnlyWriter(metric_writers.MetricWriter):
+    """A writer that keeps scalars only (`write_scalars`, `flush`, `close` are the
+    subclass's): images, texts and histograms stay in TensorBoard."""
+
+    def write_summaries(self, step, values, metadata=None):
+        pass
+
+    def write_images(self, step, images):
+        pass
+
+    def write_videos(self, step, videos):
+        pass
+
+    def write_audios(self, step, audios, *, sample_rate):
+        pass
+
+    def write_texts(self, step, texts):
+        pass
+
+    def write_histograms(self, step, arrays, num_buckets=None):
+        pass
+
+    def write_pointcloud(self, step, point_clouds, *, point_colors=None, configs=None):
+        pass
+
+    def write_hparams(self, hparams):
+        pass
+
+    def flush(self):
+        pass
+
+
+class JsonlWriter(ScalarsOnlyWriter):
     """Appends every scalar write as one JSON line: easy to read back in tests and scripts."""
 
     def __init__(self, path: str):
@@ -60,30 +92,6 @@ class JsonlWriter(metric_writers.MetricWriter):
         record = {"step": int(step), "time": time.time()}
         record.update({k: float(np.asarray(v)) for k, v in scalars.items()})
         self._file.write(json.dumps(record) + "\n")
-
-    def write_summaries(self, step, values, metadata=None):
-        pass
-
-    def write_images(self, step, images):
-        pass
-
-    def write_videos(self, step, videos):
-        pass
-
-    def write_audios(self, step, audios, *, sample_rate):
-        pass
-
-    def write_texts(self, step, texts):
-        pass
-
-    def write_histograms(self, step, arrays, num_buckets=None):
-        pass
-
-    def write_pointcloud(self, step, point_clouds, *, point_colors=None, configs=None):
-        pass
-
-    def write_hparams(self, hparams):
-        pass
 
     def flush(self):
         self._file.flush()

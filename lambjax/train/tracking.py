@@ -23,6 +23,7 @@ import numpy as np
 from clu import metric_writers
 
 from lambjax import storage
+from lambjax.train import metrics
 from lambjax.train.config import ConfigError
 
 BACKENDS = {"wandb": "wandb", "mlflow": "mlflow"}  # backend -> the module it imports
@@ -76,42 +77,11 @@ def create_writers(tracking, config_dict: dict, workdir: str) -> list[metric_wri
     return writers
 
 
-class _ScalarWriter(metric_writers.MetricWriter):
-    """Scalars only: images, texts and histograms stay in TensorBoard."""
-
-    def write_summaries(self, step, values, metadata=None):
-        pass
-
-    def write_images(self, step, images):
-        pass
-
-    def write_videos(self, step, videos):
-        pass
-
-    def write_audios(self, step, audios, *, sample_rate):
-        pass
-
-    def write_texts(self, step, texts):
-        pass
-
-    def write_histograms(self, step, arrays, num_buckets=None):
-        pass
-
-    def write_pointcloud(self, step, point_clouds, *, point_colors=None, configs=None):
-        pass
-
-    def write_hparams(self, hparams):
-        pass
-
-    def flush(self):
-        pass
-
-
 def _floats(scalars) -> dict[str, float]:
     return {key: float(np.asarray(value)) for key, value in scalars.items()}
 
 
-class WandbWriter(_ScalarWriter):
+class WandbWriter(metrics.ScalarsOnlyWriter):
     """A W&B run. The run's step is a logged value (`step`), not W&B's own counter, so a
     resumed run, which logs from its last checkpoint's step again, is accepted."""
 
@@ -139,7 +109,7 @@ class WandbWriter(_ScalarWriter):
         self.run.finish()
 
 
-class MlflowWriter(_ScalarWriter):
+class MlflowWriter(metrics.ScalarsOnlyWriter):
     """An MLflow run in the experiment `project`, in the tracking store MLflow is pointed
     at (MLFLOW_TRACKING_URI); the config's fields are its parameters, and the config itself
     an artifact (config.json)."""
