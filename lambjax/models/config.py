@@ -17,6 +17,18 @@ PRESETS = {
 }
 
 
+# The model's sizes: positive integers, and with the architecture fields what its weights fix.
+SIZE_FIELDS = (
+    "vocab_size",
+    "hidden_size",
+    "num_layers",
+    "num_heads",
+    "intermediate_size",
+    "max_position_embeddings",
+    "type_vocab_size",
+)
+
+
 @dataclasses.dataclass(frozen=True)
 class BertConfig:
     vocab_size: int = 30522
@@ -46,15 +58,7 @@ class BertConfig:
     gelu_approximate: bool = False
 
     def __post_init__(self):
-        for name in (
-            "vocab_size",
-            "hidden_size",
-            "num_layers",
-            "num_heads",
-            "intermediate_size",
-            "max_position_embeddings",
-            "type_vocab_size",
-        ):
+        for name in SIZE_FIELDS:
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
                 raise ValueError(f"BertConfig.{name}={value!r} must be a positive integer")

@@ -25,24 +25,13 @@ from absl import logging
 from etils import epath
 
 from lambjax import storage
-from lambjax.models.config import PRESETS, BertConfig
+from lambjax.models.config import PRESETS, SIZE_FIELDS, BertConfig
 from lambjax.train.config import ConfigError
 
 KINDS = ("hf", "tf", "workdir")
 # The fields of the model that its weights fix (the others, e.g. dtype or dropout, are the
 # run's choice).
-SHAPE_FIELDS = (
-    "vocab_size",
-    "hidden_size",
-    "num_layers",
-    "num_heads",
-    "intermediate_size",
-    "max_position_embeddings",
-    "type_vocab_size",
-    "layer_norm",
-    "normalization",
-    "gelu_approximate",
-)
+SHAPE_FIELDS = (*SIZE_FIELDS, "layer_norm", "normalization", "gelu_approximate")
 
 
 @dataclasses.dataclass(frozen=True)
