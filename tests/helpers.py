@@ -155,3 +155,22 @@ def wait_until(condition, process, timeout=300, what="condition"):
         assert process.poll() is None, f"run ended early: {process.stderr.read()[-3000:]}"
         assert time.time() < deadline, f"{what} not met after {timeout}s"
         time.sleep(0.05)
+
+
+def run_command_cases(folder, cases) -> tuple[list[int], list[str]]:
+    """(exit statuses, stderr texts) of `python -m MODULE ARGS` for each case (MODULE, ARGS),
+    all in one interpreter (tests/command_cases.py); its files go to `folder`."""
+    cases_file, out_dir = folder / "cases.json", folder / "output"
+    cases_file.write_text(json.dumps(cases))
+    out_dir.mkdir()
+    result = subprocess.run(
+        [sys.executable, "tests/command_cases.py", str(cases_file), str(out_dir)],
+        cwd=REPO,
+        env=environment(1),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    codes = json.loads(result.stdout.strip().splitlines()[-1])
+    return codes, [(out_dir / f"{i}.err").read_text() for i in range(len(cases))]

@@ -9,8 +9,6 @@ and the reverse.
 import dataclasses
 import json
 import os
-import subprocess
-import sys
 
 import jax
 import optax
@@ -245,23 +243,9 @@ def outcomes(inputs, tmp_path_factory) -> dict[str, list[str]]:
     that holds the case's expected text, and prints no traceback."""
     root = tmp_path_factory.mktemp("runs")
     cases = [(m, args, want) for m, make in COMMANDS.items() for args, want in make(inputs, root)]
-    cases_file = root / "cases.json"
-    cases_file.write_text(json.dumps([[module, args] for module, args, _ in cases]))
-    out_dir = root / "output"
-    out_dir.mkdir()
-    result = subprocess.run(
-        [sys.executable, "tests/command_cases.py", str(cases_file), str(out_dir)],
-        cwd=helpers.REPO,
-        env=helpers.environment(1),
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    codes = json.loads(result.stdout.strip().splitlines()[-1])
+    codes, errors = helpers.run_command_cases(root, [(module, args) for module, args, _ in cases])
     failures = {module: [] for module in COMMANDS}
-    for index, ((module, args, expected), code) in enumerate(zip(cases, codes, strict=True)):
-        stderr = (out_dir / f"{index}.err").read_text()
+    for (module, args, expected), code, stderr in zip(cases, codes, errors, strict=True):
         error_lines = [line for line in stderr.splitlines() if ": error: " in line]
         ok = (
             code == 2

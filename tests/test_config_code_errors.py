@@ -5,7 +5,7 @@ prints the traceback before it."""
 import pytest
 
 from lambjax import cli
-from tests.test_settings_ranges import run_cases
+from tests import helpers
 
 RAISES = """
 def get_config(arg=None):
@@ -51,7 +51,8 @@ def test_config_code_errors_end_in_one_line(tmp_path, files):
         ("lambjax.finetune", [f"--config={files['raises']}", workdir], "raised KeyError"),
         ("lambjax.sweep", [f"--config={files['sweep']}", workdir], "get_sweep() raised Zero"),
     ]
-    codes, errors = run_cases(tmp_path, [(module, args) for module, args, _ in cases])
+    commands = [(module, args) for module, args, _ in cases]
+    codes, errors = helpers.run_command_cases(tmp_path, commands)
     for (module, args, expected), code, stderr in zip(cases, codes, errors, strict=True):
         lines = [line for line in stderr.splitlines() if ": error: " in line]
         assert code == 2 and "Traceback" not in stderr, (module, code, stderr[-2000:])
@@ -64,7 +65,7 @@ def test_config_code_errors_end_in_one_line(tmp_path, files):
 @pytest.mark.slow
 def test_verbosity_prints_the_traceback_then_the_line(tmp_path, files):
     args = [f"--config={files['raises']}", f"--workdir={tmp_path / 'run'}", "--verbosity=1"]
-    (code,), (stderr,) = run_cases(tmp_path, [("lambjax.main", args)])
+    (code,), (stderr,) = helpers.run_command_cases(tmp_path, [("lambjax.main", args)])
     assert code == 2
     assert "Traceback" in stderr and 'return {"a": 1}["missing"]' in stderr
     assert stderr.strip().splitlines()[-1].startswith("lambjax: error: --config=")

@@ -6,10 +6,7 @@ first); a few run the commands as users do, in children of one process
 (tests/command_cases.py), and find neither a workdir nor a data dir afterwards.
 """
 
-import json
 import os
-import subprocess
-import sys
 
 import pytest
 
@@ -154,27 +151,10 @@ def test_commands_refuse_bad_settings_before_any_work(tmp_path):
             "config.optimizer.b2=1.0 must lie in [0, 1)",
         ),
     ]
-    codes, errors = run_cases(tmp_path, [(module, args) for module, args, _ in cases])
+    commands = [(module, args) for module, args, _ in cases]
+    codes, errors = helpers.run_command_cases(tmp_path, commands)
     for (module, args, expected), code, stderr in zip(cases, codes, errors, strict=True):
         lines = [line for line in stderr.splitlines() if ": error: " in line]
         assert code == 2 and "Traceback" not in stderr, (module, args[-1], stderr[-2000:])
         assert len(lines) == 1 and expected in lines[0], (args[-1], lines)
     assert not workdir.exists() and not data_dir.exists()
-
-
-def run_cases(tmp_path, cases) -> tuple[list[int], list[str]]:
-    """(exit statuses, stderr texts) of `python -m MODULE ARGS` for each case."""
-    cases_file, out_dir = tmp_path / "cases.json", tmp_path / "output"
-    cases_file.write_text(json.dumps(cases))
-    out_dir.mkdir()
-    result = subprocess.run(
-        [sys.executable, "tests/command_cases.py", str(cases_file), str(out_dir)],
-        cwd=helpers.REPO,
-        env=helpers.environment(1),
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    codes = json.loads(result.stdout.strip().splitlines()[-1])
-    return codes, [(out_dir / f"{i}.err").read_text() for i in range(len(cases))]
