@@ -50,7 +50,11 @@ def inputs(seed=0, batch=3, seq=16, predictions=4):
 
 
 def hf_outputs(path, batch):
-    model = transformers.BertForPreTraining.from_pretrained(path).eval()
+    return torch_outputs(transformers.BertForPreTraining.from_pretrained(path).eval(), batch)
+
+
+def torch_outputs(model, batch):
+    """transformers' last hidden states, MLM logits at the masked positions and NSP logits."""
     with torch.no_grad():
         out = model(
             input_ids=torch.tensor(batch["input_ids"]),

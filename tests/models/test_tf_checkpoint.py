@@ -19,7 +19,7 @@ import transformers
 from lambjax.finetune import init as finetune_init
 from lambjax.models import tf_checkpoint
 from lambjax.train import published
-from tests.models.test_hf import HF_CONFIG, assert_close, inputs, ours
+from tests.models.test_hf import HF_CONFIG, assert_close, inputs, ours, torch_outputs
 
 
 def tf_name(torch_name: str) -> str | None:
@@ -84,19 +84,6 @@ def torch_model():
             if name.endswith("bias") or "LayerNorm" in name:
                 p.add_(0.1 * torch.randn_like(p))
     return model
-
-
-def torch_outputs(model, batch):
-    with torch.no_grad():
-        out = model(
-            input_ids=torch.tensor(batch["input_ids"]),
-            token_type_ids=torch.tensor(batch["segment_ids"]),
-            attention_mask=torch.tensor(batch["input_mask"]),
-            output_hidden_states=True,
-        )
-    positions = batch["masked_lm_positions"]
-    mlm = np.take_along_axis(out.prediction_logits.numpy(), positions[..., None], axis=1)
-    return out.hidden_states[-1].numpy(), mlm, out.seq_relationship_logits.numpy()
 
 
 @pytest.mark.slow
