@@ -284,17 +284,25 @@ def train_step(
     metrics = train_metrics(
         metrics, loss, state, new_state, update_metrics, schedule=settings.schedule
     )
-    if layer_drop is not None:
-        metrics["pld_theta"] = layer_drop.theta(state.step)
-        metrics["pld_layers_run"] = stats["layers_run_sum"] / grad_accum_steps
+    metrics.update(_optional_metrics(settings, state.step, stats, update_metrics, batch))
+    return new_state, metrics
+
+
+def _optional_metrics(settings: StepSettings, step, stats, update_metrics, batch) -> dict:
+    """PLD's keep probability and layers run, and the noise scale's per-step estimates,
+    where the run has them."""
+    metrics = {}
+    if settings.layer_drop is not None:
+        metrics["pld_theta"] = settings.layer_drop.theta(step)
+        metrics["pld_layers_run"] = stats["layers_run_sum"] / settings.grad_accum_steps
     if settings.noise_scale:
         global_batch = batch["masked_lm_weights"].shape[0]
         metrics.update(
             noise_scale.step_estimates(
-                stats, update_metrics["grad_norm"], global_batch, grad_accum_steps
+                stats, update_metrics["grad_norm"], global_batch, settings.grad_accum_steps
             )
         )
-    return new_state, metrics
+    return metrics
 
 
 def train_metrics(
