@@ -24,6 +24,7 @@ from clu import metric_writers
 
 from lambjax import storage
 from lambjax.train import metrics
+from lambjax.train import workdir as workdir_lib
 from lambjax.train.config import ConfigError
 
 BACKENDS = {"wandb": "wandb", "mlflow": "mlflow"}  # backend -> the module it imports
@@ -132,7 +133,8 @@ class MlflowWriter(metrics.ScalarsOnlyWriter):
     def _log_config(self, config: dict) -> None:
         from mlflow.entities import Param
 
-        params = [Param(key, json.dumps(value)) for key, value in sorted(_flatten(config).items())]
+        fields = sorted(workdir_lib.flatten(config).items())
+        params = [Param(key, json.dumps(value)) for key, value in fields]
         for start in range(0, len(params), self.BATCH):
             self.client.log_batch(self.run_id, params=params[start : start + self.BATCH])
         self.client.log_text(self.run_id, json.dumps(config, indent=2), "config.json")
@@ -147,13 +149,3 @@ class MlflowWriter(metrics.ScalarsOnlyWriter):
 
     def close(self):
         self.client.set_terminated(self.run_id)
-
-
-def _flatten(tree: dict, prefix: str = "") -> dict:
-    fields = {}
-    for key, value in tree.items():
-        if isinstance(value, dict) and value:
-            fields.update(_flatten(value, f"{prefix}{key}."))
-        else:
-            fields[f"{prefix}{key}"] = value
-    return fields
