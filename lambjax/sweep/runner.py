@@ -15,9 +15,9 @@ Where trials run (`launcher`):
   slurm  one `sbatch --array` job of launch/slurm/train.sbatch, a task per unfinished trial
          (`lambjax.sweep --trial=INDEX` under srun); the command returns once submitted.
 A trial is an ordinary run: rerunning the sweep skips trials whose last phase has its final
-checkpoint and resumes the others from their checkpoints (bitwise, as any run). A trial's
-process dies with the sweep's (`kill -9` included); SIGTERM or Ctrl-C to the sweep asks every
-running trial to save and stop.
+checkpoint (or that reached their config.target) and resumes the others from their
+checkpoints (bitwise, as any run). A trial's process dies with the sweep's (`kill -9`
+included); SIGTERM or Ctrl-C to the sweep asks every running trial to save and stop.
 """
 
 import ctypes
@@ -33,6 +33,7 @@ from etils import epath
 
 from lambjax import distributed, storage
 from lambjax.sweep.spec import SweepError, Trial
+from lambjax.train import target as target_lib
 
 SWEEP_FILE = "sweep.json"
 LAUNCHERS = ("local", "tpu", "slurm")
@@ -125,6 +126,9 @@ class Sweep:
         return f"{self.dir}/{trial.name}"
 
     def finished(self, trial: Trial) -> bool:
+        """Its last phase's final checkpoint exists, or it reached its config.target."""
+        if target_lib.read(self.workdir(trial)) is not None:
+            return True
         return is_complete(final_checkpoint(self.config, self.dir, trial))
 
     def pending(self) -> list[Trial]:

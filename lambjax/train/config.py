@@ -177,6 +177,10 @@ def base_config() -> ml_collections.ConfigDict:
     # train/noise_scale: needs grad_accum_steps >= 2 in every phase. ema_decay: per step,
     # of the averages of its numerator and denominator.
     config.noise_scale = ml_collections.ConfigDict({"enabled": False, "ema_decay": 0.95})
+    # End the run at the first held-out evaluation whose metric reaches `value`
+    # (lambjax.train.target): "mlm_loss" at or below it, "mlm_accuracy" or "nsp_accuracy" at
+    # or above (MLPerf's BERT: mlm_accuracy 0.720); "" = every phase to its last step.
+    config.target = ml_collections.ConfigDict({"metric": "", "value": 0.0})
     config.phases = ml_collections.ConfigDict()
     config.phase_order = ()
     config.log_every_steps = 10

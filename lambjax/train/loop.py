@@ -123,7 +123,8 @@ class Job(Protocol):
     def log(self, step: int, state, means: dict[str, float]) -> None:
         """Writes and prints the means of the train metrics since the last log."""
 
-    def evaluate(self, step: int, state) -> None: ...
+    def evaluate(self, step: int, state) -> bool | None:
+        """Evaluates; True ends the job after a save (e.g. its target metric reached)."""
 
     def save(self, step: int, state) -> None: ...
 
@@ -133,7 +134,8 @@ class Job(Protocol):
 
 
 def run_job(job: Job, state, step: int, stop, hooks=()) -> tuple[object, int, bool]:
-    """Trains from `step` to the job's last step: (state, step, whether a stop was asked)."""
+    """Trains from `step` to the job's last step, or to an evaluation that ends the job:
+    (state, step, whether a stop was asked)."""
     intervals, pending = job.intervals, []
     while step < job.num_steps:
         if stop.requested(step):
@@ -150,7 +152,9 @@ def run_job(job: Job, state, step: int, stop, hooks=()) -> tuple[object, int, bo
             pending = []
         every = intervals.eval_every_steps
         if (every and step % every == 0 and not last) or (last and intervals.eval_after_last_step):
-            job.evaluate(step, state)
+            if job.evaluate(step, state):  # the job ends here (its target reached)
+                job.save(step, state)
+                return state, step, False
         if step % intervals.checkpoint_every_steps == 0 or last or job.save_due(step):
             job.save(step, state)
     return state, step, False

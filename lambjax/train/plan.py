@@ -35,6 +35,7 @@ from lambjax.models import standardization
 from lambjax.models.config import BertConfig
 from lambjax.train import layer_drop, layerwise, noise_scale, plan_checks, prng, reduction
 from lambjax.train import method as method_lib
+from lambjax.train import target as target_lib
 from lambjax.train.config import OPTIMIZERS, ConfigError
 
 
@@ -144,6 +145,8 @@ class RunPlan:
     peak_flops_per_device: float  # 0: look up by device kind
     profile: bool
     config_json: str  # the config as given, recorded with every checkpoint
+    # The held-out metric that ends the run (lambjax.train.target); None: every phase to its end.
+    target: target_lib.Target | None = None
 
     @property
     def seq_lengths(self) -> list[int]:
@@ -164,6 +167,7 @@ def resolve(
         lambda: prng.check(config.prng_impl),
         lambda: standardization.check_site(config.standardization_loss.site),
         lambda: noise_scale.check_settings(config.noise_scale),
+        lambda: target_lib.from_config(config.target),
     )
     spans = {}
     plan_checks.run_checks(
@@ -213,6 +217,7 @@ def resolve(
         peak_flops_per_device=config.peak_flops_per_device,
         profile=config.profile,
         config_json=config.to_json_best_effort(),
+        target=target_lib.from_config(config.target),
     )
 
 

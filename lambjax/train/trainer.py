@@ -6,6 +6,7 @@ compiles the steps once, takes its starting state by the restore order of
 lambjax.train.phases, then runs the shared loop (lambjax.train.loop.run_job): a train step,
 and at their intervals log, evaluate and save. A stop request (SIGTERM, or a pod's preemption
 notice) saves at the next step boundary and ends the run; the same command continues it.
+An evaluation that reaches `config.target` (lambjax.train.target) saves and ends the run.
 """
 
 import dataclasses
@@ -22,6 +23,7 @@ from lambjax.train import checkpointing, loop, phases, prng, published, throughp
 from lambjax.train import metrics as metrics_lib
 from lambjax.train import plan as plan_lib
 from lambjax.train import step as step_lib
+from lambjax.train import target as target_lib
 from lambjax.train import workdir as workdir_lib
 from lambjax.train.noise_scale import NoiseScaleMeter
 from lambjax.train.phases import Phase
@@ -47,6 +49,7 @@ class PhaseResult:
     seconds: float  # wall time spent in the phase by this run
     eval_metrics: dict
     stopped: bool = False
+    reached_target: bool = False  # an evaluation reached config.target: the run ends
 
 
 def compile_steps(phase: Phase) -> loop.CompiledSteps:
@@ -79,6 +82,15 @@ def train_and_evaluate(config, workdir: str) -> dict:
     start = published_start(config)  # before the workdir check: it may set data.vocab
     workdir_lib.check(config.to_json_best_effort(), workdir)
     console.log_to_file(workdir, console.process_log_name("train", jax.process_index()))
+    reached = target_lib.read(workdir)
+    if reached is not None:
+        logging.info(
+            "The run reached its target at phase %s step %d (%s); nothing more to do.",
+            reached["phase"],
+            reached["step"],
+            target_lib.FILE,
+        )
+        return reached["eval"]
     for flag, path in data_lib.paths(config.data):
         storage.check_reachable(path, flag)
     vocabulary = phases.prepare_vocabulary(config.data)
@@ -98,6 +110,9 @@ def train_and_evaluate(config, workdir: str) -> dict:
         for plan in run_plan.phases:
             phase = phases.build_phase(plan, datasets[plan.batch.max_seq_length])
             results.append(run_phase(run_plan, workdir, phase, writer, stop, start))
+            if results[-1].reached_target:
+                record_target(run_plan, workdir, plan, results[-1])
+                break
             if results[-1].stopped:
                 logging.info("Stopped in phase %s; rerun the same command to continue.", plan.name)
                 break
@@ -105,6 +120,21 @@ def train_and_evaluate(config, workdir: str) -> dict:
         writer.close()
     log_summary(workdir, results)
     return results[-1].eval_metrics
+
+
+def record_target(run_plan: RunPlan, workdir: str, plan, result: PhaseResult) -> None:
+    """The run ends at its target: target_reached.json says where (its checkpoint is saved)."""
+    global_step = plan.step_offset + result.step
+    if jax.process_index() == 0:
+        target_lib.record(
+            workdir, run_plan.target, plan.name, result.step, global_step, result.eval_metrics
+        )
+    logging.info(
+        "Target reached (%s) at phase %s step %d: the run ends here.",
+        run_plan.target,
+        plan.name,
+        result.step,
+    )
 
 
 def published_start(config) -> published.Published | None:
@@ -154,7 +184,12 @@ def run_phase(
     writer.flush()
     ckpt.close()
     return PhaseResult(
-        phase.name, step, time.perf_counter() - started, job.eval_metrics, stopped=stopped
+        phase.name,
+        step,
+        time.perf_counter() - started,
+        job.eval_metrics,
+        stopped=stopped,
+        reached_target=job.reached_target,
     )
 
 
@@ -190,6 +225,7 @@ class PhaseLoop:
         self.noise_scale = None if decay is None else NoiseScaleMeter(decay)
         self.later_phases_flops = throughput.later_phases_flops(run_plan, phase.plan)
         self.eval_metrics = {}
+        self.reached_target = False
         self.save_pending = False  # a save held back by non-finite steps (`finite`)
 
     def train(self, state, step: int, stop) -> tuple[int, bool]:
@@ -232,7 +268,8 @@ class PhaseLoop:
             self.phase.name, step, self.num_steps, train, eta_phase, eta_run
         )
 
-    def evaluate(self, step: int, state) -> None:
+    def evaluate(self, step: int, state) -> bool:
+        """The held-out evaluation, written; True where it reaches the run's target."""
         metrics = self.evaluation(state.params)
         if metrics:
             self.eval_metrics = metrics
@@ -240,6 +277,9 @@ class PhaseLoop:
                 self.phase.plan.step_offset + step, {f"eval/{k}": v for k, v in metrics.items()}
             )
         self.throughput.reset(step)
+        target = self.run_plan.target
+        self.reached_target = bool(metrics) and target is not None and target.reached(metrics)
+        return self.reached_target
 
     def evaluation(self, params) -> dict:
         """MLM loss and accuracy on the held-out split (the MLPerf metric), plus NSP."""
