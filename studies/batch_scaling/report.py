@@ -3,27 +3,33 @@
 A study is a sweep whose config file also defines `get_study(arg)`; the sweep keeps that
 dict in sweep.json and `python -m lambjax.sweep report DIR` adds its answer to the report.
 This module answers `{"kind": "batch_scaling", ...}` (studies/batch_scaling/config.py):
-the trials are labelled (optimizer, batch, lr_x, seed), learning-rate multipliers on the
-square-root rule, and the arms are read off them by a rule fixed before the runs:
+the trials are labelled (optimizer, batch, lr_x, seed, warmup), learning-rate multipliers on
+the square-root rule, and the arms are read off them by a rule fixed before the runs:
 
-  sqrt rule  the multiplier the study declares for the optimizer (`rule_multipliers`), or
-             the one best at the smallest batch, kept at every batch size;
-  tuned      for the optimizers with a grid at every batch size (`tuned`), the multiplier
-             best at each batch size;
+  sqrt rule  the multiplier (at the default warmup) best at the smallest batch, kept at
+             every batch size: LAMB's claim, nothing re-tuned as the batch grows;
+  tuned      the multiplier and warmup best at each batch size (Nado et al.'s fair
+             comparison, Shallue et al.'s measure);
 
-"best" is the fewest steps to the target eval MLM loss, then the lower final loss (a trial
-that never reaches the target counts as infinitely many steps). Steps to the target are
-the first evaluation step whose eval MLM loss is at or below it (evaluations come every
-1/evals_per_trial of the run, so a count is exact to that interval, and the speed-up table
-gives the range of each ratio that the intervals allow).
+"best" is the fewest steps to the target, then the lower best held-out loss (a trial that
+never reaches the target counts as infinitely many steps). Only seed 0 chooses; the other
+seeds of a chosen point give its spread. Steps to the target are the first evaluation at or
+below it, exact to the trial's evaluation interval: the speed-up table gives the range of
+each ratio that the intervals allow.
 
-Written into DIR: the study's section of report.md (a table per arm and batch size, the
-noise band of the repeated seeds, the other targets), steps_to_target.png (log-log, one
-line per arm, the perfect-scaling line and the sample budget), final_loss.png and
-learning_rates.png (the multiplier-scaled learning rate each arm used).
+Per optimizer, S(B) = S_min (1 + B_crit / B) (McCandlish et al. 2018) is fitted to the tuned
+arm (least squares of S on 1/B), and set beside the gradient noise scale B_simple the
+trials measured (train/noise_scale, averaged over each tuned trial's second half to the
+target, the median over batch sizes).
+
+Written into DIR: the study's section of report.md and steps_to_target.png (log-log, one
+line per arm, the perfect-scaling line, the step budgets and the fits),
+learning_rates.png (the rate each arm chose) and noise_scale.png (B_simple against the
+held-out loss).
 """
 
 import math
+import statistics
 
 from lambjax.sweep import plots
 from lambjax.train.metrics import format_duration
@@ -32,6 +38,7 @@ from studies.curves import steps_to_target
 
 ARMS = ("sqrt rule", "tuned")
 STYLES = {"lamb": ("tab:blue", "o"), "lans": ("tab:green", "s"), "adamw": ("tab:red", "^")}
+NOISE = "train/noise_scale"
 
 
 def points(directory: str, trials: dict, target: float) -> list[dict]:
@@ -39,39 +46,34 @@ def points(directory: str, trials: dict, target: float) -> list[dict]:
     result = []
     for name, trial, run in curves.labelled(directory, trials):
         curve = run["curve"]
+        steps = steps_to_target(curve, target)
+        noise = [(s, r[NOISE]) for s, r in run["records"] if NOISE in r]
         result.append(
             {
                 **trial["labels"],
                 "name": name,
                 "learning_rate": trial["overrides"].get("phases.phase1.learning_rate"),
-                "num_steps": trial["overrides"].get("phases.phase1.num_steps"),
-                "steps": steps_to_target(curve, target),
+                "steps": steps,
                 "bracket": curves.target_bracket(curve, target),
-                "final": curve[-1][1] if curve else None,
+                "best": run["best"],
                 "done": trial.get("status") == "finished",
                 "status": trial.get("status", ""),
                 "curve": curve,
+                "noise": noise,
             }
         )
     return result
 
 
 def rank(point: dict) -> tuple:
-    """Fewer steps to the target first, then lower final loss; misses and failures last."""
+    """Fewer steps to the target first, then the lower best held-out loss."""
     steps = point["steps"] if point["steps"] is not None else math.inf
-    final = point["final"] if point["final"] is not None and point["done"] else math.inf
-    return (steps, final if math.isfinite(final) else math.inf)
+    return (steps, point["best"] if math.isfinite(point["best"]) else math.inf)
 
 
-def arms(grid: list[dict], batch_sizes: list[int], study: dict | None = None) -> dict:
-    """(optimizer, arm) -> batch size -> the chosen point, from the seed-0 grid.
-
-    The sqrt rule keeps the multiplier `study["rule_multipliers"]` declares for the
-    optimizer, else the one best at the smallest batch; the tuned arm (optimizers in
-    `study["tuned"]`, all without a study) takes the best at each batch size.
-    """
-    study = study or {}
-    declared = study.get("rule_multipliers", {})
+def arms(grid: list[dict], batch_sizes: list[int], warmup: int) -> dict:
+    """(optimizer, arm) -> batch size -> the chosen point, from the seed-0 grid (see the
+    module docstring); `warmup` is the default warmup the sqrt rule keeps."""
     result = {}
     for optimizer in dict.fromkeys(p["optimizer"] for p in grid):
         mine = [p for p in grid if p["optimizer"] == optimizer]
@@ -79,92 +81,111 @@ def arms(grid: list[dict], batch_sizes: list[int], study: dict | None = None) ->
         at = {b: ps for b, ps in at.items() if ps}
         if not at:
             continue
-        base = declared.get(optimizer, min(at[min(at)], key=rank)["lr_x"])
+        default = {b: [p for p in ps if p.get("warmup", warmup) == warmup] for b, ps in at.items()}
+        smallest = default.get(min(at)) or at[min(at)]
+        base = min(smallest, key=rank)["lr_x"]
         result[(optimizer, "sqrt rule")] = {
-            b: p for b, ps in at.items() for p in ps if p["lr_x"] == base
+            b: p for b, ps in default.items() for p in ps if p["lr_x"] == base
         }
-        if optimizer in study.get("tuned", [optimizer]):
-            result[(optimizer, "tuned")] = {b: min(ps, key=rank) for b, ps in at.items()}
+        result[(optimizer, "tuned")] = {b: min(ps, key=rank) for b, ps in at.items()}
     return result
 
 
-def base_check(grid: list[dict], batch_sizes: list[int], study: dict) -> str:
-    """For the optimizers whose base is declared: is it the best of the grid at B0?"""
-    lines = []
-    for optimizer, declared in study.get("rule_multipliers", {}).items():
-        at_b0 = [p for p in grid if p["optimizer"] == optimizer and p["batch"] == batch_sizes[0]]
-        if len(at_b0) < 2:
-            continue
-        best = min(at_b0, key=rank)
-        cells = ", ".join(
-            f"lr_x {p['lr_x']}: {'-' if p['steps'] is None else p['steps']} steps, "
-            f"final {p['final']:.3f}"
-            for p in sorted(at_b0, key=lambda p: p["lr_x"])
-            if p["final"] is not None
-        )
-        verdict = "the declared base" if best["lr_x"] == declared else "NOT the declared base"
-        lines.append(
-            f"- {optimizer} at B={batch_sizes[0]}: {cells}; best lr_x {best['lr_x']} "
-            f"({verdict}, lr_x {declared})"
-        )
-    return "\n".join(lines)
+def at_edge(point: dict, grid: list[dict]) -> bool:
+    """Whether a chosen multiplier is the lowest or highest its (optimizer, batch) ran."""
+    tried = [
+        p["lr_x"] for p in grid if (p["optimizer"], p["batch"]) == (point["optimizer"], point["batch"])
+    ]
+    return len(tried) > 1 and point["lr_x"] in (min(tried), max(tried))
+
+
+def fit(by_batch: dict) -> tuple[float, float, int] | None:
+    """(S_min, B_crit, points) of S = S_min (1 + B_crit / B), least squares of S on 1/B over
+    the batch sizes that reached the target; None with fewer than 3 or a non-positive S_min."""
+    reached = [(b, p["steps"]) for b, p in sorted(by_batch.items()) if p["steps"]]
+    if len(reached) < 3:
+        return None
+    xs = [1 / b for b, _ in reached]
+    ys = [s for _, s in reached]
+    mx, my = statistics.fmean(xs), statistics.fmean(ys)
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / sum(
+        (x - mx) ** 2 for x in xs
+    )
+    s_min = my - slope * mx
+    if s_min <= 0:
+        return None
+    return s_min, slope / s_min, len(reached)
+
+
+def measured_noise(point: dict) -> float:
+    """The trial's B_simple averaged over the second half of its steps to the target (to
+    its end where it never reached it); nan where it logged none."""
+    end = point["steps"] or max((s for s, _ in point["noise"]), default=0)
+    values = [v for s, v in point["noise"] if end / 2 <= s <= end and math.isfinite(v)]
+    return statistics.fmean(values) if values else math.nan
 
 
 def study_report(directory: str, trials: dict, study: dict) -> str:
     """The study's Markdown section; writes its plots into `directory`."""
-    target, samples = study["target_loss"], study["samples"]
-    batch_sizes = study["batch_sizes"]
+    target, batch_sizes = study["target_loss"], study["batch_sizes"]
+    warmup = study["warmup_steps"]
     every = points(directory, trials, target)
     grid = [p for p in every if p["seed"] == 0]
-    chosen = arms(grid, batch_sizes, study)
+    chosen = arms(grid, batch_sizes, warmup)
+    budgets = study["budgets"]
     lines = [
         "## Batch scaling: steps to the target against batch size",
         "",
-        f"Target: eval MLM loss <= {target} (fixed in the config before the runs). Every "
-        f"trial: {samples:,} sequences (num_steps = {samples:,} / batch). Learning rate = "
-        "base x sqrt(batch / smallest batch) x lr_x; `sqrt rule` keeps one lr_x (declared, "
-        "or the best at the smallest batch), `tuned` takes the best lr_x at each batch size "
-        "(fewest steps to the target, then the lower final loss). `-` = target not "
-        "reached within the budget; `(edge)` = the tuned lr_x is at the grid's edge.",
+        f"Target: eval MLM loss <= {target} (fixed in the config before the runs). Each trial "
+        f"warms up over {warmup} steps, then holds its learning rate, and ends at the first "
+        "evaluation that reaches the target; its steps are capped at the batch size's budget "
+        f"({', '.join(f'{b}: {budgets[str(b)]}' for b in batch_sizes)}). Learning rate = base x "
+        "sqrt(batch / smallest batch) x lr_x. `sqrt rule` keeps the lr_x best at the smallest "
+        "batch; `tuned` takes the best lr_x and warmup at each batch size. `-` = not reached "
+        "within the budget; `(edge)` = the chosen lr_x is the lowest or highest run there.",
         "",
-        arm_table(chosen, batch_sizes, study["multipliers"]),
+        arm_table(chosen, batch_sizes, grid),
         "",
         "Speed-up in steps to the target from each doubling of the batch (2.00 = perfect "
-        "scaling; in brackets the range the evaluation intervals allow, since a count is "
-        "exact only to its trial's interval, 1/evals_per_trial of its steps):",
+        "scaling; in brackets the range the evaluation intervals allow):",
         "",
         speedup_table(chosen, batch_sizes),
         "",
+        "The tuned arm's S(B) = S_min (1 + B_crit / B), fitted, beside the gradient noise "
+        "scale the same trials measured:",
+        "",
+        fit_table(chosen),
+        "",
     ]
-    check = base_check(grid, batch_sizes, study)
-    if check:
-        lines += ["The declared bases against their grid at the smallest batch:", "", check, ""]
-    noise = noise_table(every)
-    if noise:
-        lines += ["Noise: the same trial (lr_x = 1) with other seeds:", "", noise, ""]
+    spread = seed_table(every, chosen)
+    if spread:
+        lines += ["Seeds: each tuned point rerun with other seeds:", "", spread, ""]
+    warmups = warmup_table(every, chosen)
+    if warmups:
+        lines += ["Warmups: each tuned point's multiplier with other warmups (seed 0):", ""]
+        lines += [warmups, ""]
     for other in study.get("other_targets", []):
-        others = points(directory, trials, other)
+        others = [p for p in points(directory, trials, other) if p["seed"] == 0]
         lines += [
-            f"At target {other} (same choice rule):",
+            f"At target {other} (the same choice rule, read off the same curves):",
             "",
-            arm_table(arms([p for p in others if p["seed"] == 0], batch_sizes, study), batch_sizes),
+            arm_table(arms(others, batch_sizes, warmup), batch_sizes, others),
             "",
         ]
-    plot_steps(directory, chosen, batch_sizes, samples, target)
-    plot_finals(directory, chosen, batch_sizes)
+    plot_steps(directory, chosen, batch_sizes, budgets, target)
     plot_learning_rates(directory, chosen, batch_sizes)
+    plot_noise(directory, chosen)
     seconds = sum(t.get("wall_time_s") or 0.0 for t in trials.values())
     done = sum(t.get("status") == "finished" for t in trials.values())
     lines.append(
         f"{done} of {len(trials)} trials finished; their wall times add up to "
         f"{format_duration(seconds)} (trials that ran side by side overlap)."
     )
-    lines.append("")
-    lines.append("Plots: steps_to_target.png, final_loss.png, learning_rates.png")
+    lines += ["", "Plots: steps_to_target.png, learning_rates.png, noise_scale.png"]
     return "\n".join(lines)
 
 
-def arm_table(chosen: dict, batch_sizes: list[int], multipliers=None) -> str:
+def arm_table(chosen: dict, batch_sizes: list[int], grid: list[dict]) -> str:
     header = ["optimizer", "arm", *(f"B={b}" for b in batch_sizes)]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for (optimizer, arm), by_batch in chosen.items():
@@ -173,19 +194,16 @@ def arm_table(chosen: dict, batch_sizes: list[int], multipliers=None) -> str:
             p = by_batch.get(b)
             if p is None:
                 cells.append("")
-                continue
-            if not p["done"] and not p["status"].startswith("failed"):
+            elif not p["done"] and not p["status"].startswith("failed"):
                 cells.append(f"({p['status'] or 'not run'})")
-                continue
-            steps = "-" if p["steps"] is None else str(p["steps"])
-            final = "failed" if not p["done"] else f"{p['final']:.3f}"
-            edge = ""
-            at_edge = p["lr_x"] in (min(multipliers or [0]), max(multipliers or [0]))
-            if arm == "tuned" and len(multipliers or []) > 1 and at_edge:
-                edge = " (edge)"
-            cells.append(f"{steps} / {final} / lr {p['learning_rate']:.3g}{edge}")
+            else:
+                steps = "-" if p["steps"] is None else str(p["steps"])
+                steps = "failed" if p["status"].startswith("failed") and not p["steps"] else steps
+                edge = " (edge)" if arm == "tuned" and at_edge(p, grid) else ""
+                warm = f", warmup {p['warmup']}" if arm == "tuned" and "warmup" in p else ""
+                cells.append(f"{steps} / lr {p['learning_rate']:.3g}{warm}{edge}")
         lines.append(f"| {optimizer} | {arm} | " + " | ".join(cells) + " |")
-    return "\n".join(lines) + "\n\nCells: steps to target / final eval MLM loss / learning rate."
+    return "\n".join(lines) + "\n\nCells: steps to target / learning rate."
 
 
 def speedup_table(chosen: dict, batch_sizes: list[int]) -> str:
@@ -210,35 +228,70 @@ def speedup_table(chosen: dict, batch_sizes: list[int]) -> str:
     return "\n".join(lines)
 
 
-def noise_table(every: list[dict]) -> str:
-    """Per optimizer and batch size with repeated seeds (lr_x = 1): the spread."""
-    repeated = {(p["optimizer"], p["batch"]) for p in every if p["seed"] != 0}
-    if not repeated:
-        return ""
+def fit_table(chosen: dict) -> str:
     lines = [
-        "| optimizer | batch | seeds | steps to target | final eval MLM loss |",
+        "| optimizer | S_min (steps) | B_crit (fit) | batch sizes fitted | B_simple measured |",
         "|---|---|---|---|---|",
     ]
-    for optimizer, batch in sorted(repeated):
-        runs = sorted(
-            (p for p in every if (p["optimizer"], p["batch"]) == (optimizer, batch)),
-            key=lambda p: p["seed"],
-        )
-        runs = [p for p in runs if p["lr_x"] == 1.0]
-        steps = ", ".join("-" if p["steps"] is None else str(p["steps"]) for p in runs)
-        finals = [p["final"] for p in runs if p["final"] is not None]
-        spread = (
-            f"{sum(finals) / len(finals):.3f} (range {max(finals) - min(finals):.3f})"
-            if finals
-            else ""
-        )
-        seeds = ", ".join(str(p["seed"]) for p in runs)
-        lines.append(f"| {optimizer} | {batch} | {seeds} | {steps} | {spread} |")
+    for (optimizer, arm), by_batch in chosen.items():
+        if arm != "tuned":
+            continue
+        fitted = fit(by_batch)
+        noise = [measured_noise(p) for p in by_batch.values()]
+        noise = [v for v in noise if math.isfinite(v)]
+        measured = f"{statistics.median(noise):.0f}" if noise else "-"
+        if fitted is None:
+            lines.append(f"| {optimizer} | - | - | fewer than 3 reached | {measured} |")
+        else:
+            s_min, b_crit, count = fitted
+            lines.append(f"| {optimizer} | {s_min:.0f} | {b_crit:.0f} | {count} | {measured} |")
     return "\n".join(lines)
 
 
-def finished_or_failed(point: dict) -> bool:
-    return point["done"] or point["status"].startswith("failed")
+def seed_table(every: list[dict], chosen: dict) -> str:
+    """Per tuned point with repeated seeds: each seed's steps, their mean and range."""
+    lines = ["| optimizer | batch | steps by seed | mean (range) |", "|---|---|---|---|"]
+    for (optimizer, arm), by_batch in chosen.items():
+        if arm != "tuned":
+            continue
+        for b, p in sorted(by_batch.items()):
+            same = [
+                q
+                for q in every
+                if (q["optimizer"], q["batch"], q["lr_x"], q.get("warmup"))
+                == (optimizer, b, p["lr_x"], p.get("warmup"))
+            ]
+            if len(same) < 2:
+                continue
+            same.sort(key=lambda q: q["seed"])
+            cells = ", ".join(f"{q['seed']}: {q['steps'] or '-'}" for q in same)
+            reached = [q["steps"] for q in same if q["steps"]]
+            summary = (
+                f"{statistics.fmean(reached):.0f} ({min(reached)}-{max(reached)})"
+                if len(reached) == len(same)
+                else "-"
+            )
+            lines.append(f"| {optimizer} | {b} | {cells} | {summary} |")
+    return "\n".join(lines) if len(lines) > 2 else ""
+
+
+def warmup_table(every: list[dict], chosen: dict) -> str:
+    lines = ["| optimizer | batch | steps by warmup |", "|---|---|---|"]
+    for (optimizer, arm), by_batch in chosen.items():
+        if arm != "tuned":
+            continue
+        for b, p in sorted(by_batch.items()):
+            same = [
+                q
+                for q in every
+                if (q["optimizer"], q["batch"], q["lr_x"], q["seed"]) == (optimizer, b, p["lr_x"], 0)
+            ]
+            if len({q.get("warmup") for q in same}) < 2:
+                continue
+            same.sort(key=lambda q: q.get("warmup", 0))
+            cells = ", ".join(f"{q.get('warmup')}: {q['steps'] or '-'}" for q in same)
+            lines.append(f"| {optimizer} | {b} | {cells} |")
+    return "\n".join(lines) if len(lines) > 2 else ""
 
 
 def batch_axis(axis, batch_sizes) -> None:
@@ -262,10 +315,8 @@ def plot_arm(axis, optimizer: str, arm: str, xs, ys) -> None:
     )
 
 
-def finish(figure, axis, batch_sizes, ylabel: str, title: str, directory: str, name: str):
-    """The batch axis, labels, legend and grid; the figure saved as `name`."""
-    batch_axis(axis, batch_sizes)
-    axis.set_xlabel("batch size (sequences)")
+def finish(figure, axis, ylabel: str, title: str, directory: str, name: str):
+    """Labels, legend and grid; the figure saved as `name`."""
     axis.set_ylabel(ylabel)
     axis.set_title(title)
     axis.legend(fontsize="small")
@@ -274,11 +325,11 @@ def finish(figure, axis, batch_sizes, ylabel: str, title: str, directory: str, n
     plots.save(figure, directory, name)
 
 
-def plot_steps(directory, chosen, batch_sizes, samples, target) -> None:
+def plot_steps(directory, chosen, batch_sizes, budgets, target) -> None:
     plt = plots.pyplot()
     figure, axis = plt.subplots(figsize=(7, 5))
-    budget = [samples / b for b in batch_sizes]
-    axis.plot(batch_sizes, budget, ":", color="gray", label="sample budget (all steps)")
+    caps = [budgets[str(b)] for b in batch_sizes]
+    axis.plot(batch_sizes, caps, ":", color="gray", label="step budget")
     anchors = [
         by_batch[batch_sizes[0]]["steps"]
         for by_batch in chosen.values()
@@ -286,40 +337,27 @@ def plot_steps(directory, chosen, batch_sizes, samples, target) -> None:
     ]
     if anchors:
         best = min(anchors)
-        axis.plot(
-            batch_sizes,
-            [best * batch_sizes[0] / b for b in batch_sizes],
-            "--",
-            color="black",
-            label="perfect scaling",
-        )
+        perfect = [best * batch_sizes[0] / b for b in batch_sizes]
+        axis.plot(batch_sizes, perfect, "--", color="black", label="perfect scaling")
     for (optimizer, arm), by_batch in chosen.items():
         color, _ = STYLES.get(optimizer, ("tab:gray", "o"))
         xs = [b for b in batch_sizes if b in by_batch and by_batch[b]["steps"]]
         plot_arm(axis, optimizer, arm, xs, [by_batch[b]["steps"] for b in xs])
-        missed = [
-            b
-            for b in batch_sizes
-            if b in by_batch and not by_batch[b]["steps"] and finished_or_failed(by_batch[b])
-        ]
-        axis.plot(
-            missed, [samples / b for b in missed], "x", color=color, markersize=9, linestyle=""
-        )
+        missed = [b for b in batch_sizes if b in by_batch and not by_batch[b]["steps"]]
+        missed = [b for b in missed if by_batch[b]["done"] or by_batch[b]["status"]]
+        axis.plot(missed, [budgets[str(b)] for b in missed], "x", color=color, linestyle="")
+        fitted = fit(by_batch) if arm == "tuned" else None
+        if fitted:
+            s_min, b_crit, _ = fitted
+            curve = [s_min * (1 + b_crit / b) for b in batch_sizes]
+            axis.plot(batch_sizes, curve, ":", color=color, alpha=0.6)
+    batch_axis(axis, batch_sizes)
+    axis.set_xlabel("batch size (sequences)")
     axis.set_yscale("log", base=2)
     axis.yaxis.set_major_formatter(plt.FuncFormatter(lambda y, _: f"{y:g}"))
+    title = "Steps to target (x: not within the budget; dotted: S(B) fits)"
     ylabel = f"steps to eval MLM loss <= {target}"
-    title = "Steps to target (x: not reached within the budget)"
-    finish(figure, axis, batch_sizes, ylabel, title, directory, "steps_to_target.png")
-
-
-def plot_finals(directory, chosen, batch_sizes) -> None:
-    figure, axis = plots.pyplot().subplots(figsize=(7, 4.5))
-    for (optimizer, arm), by_batch in chosen.items():
-        xs = [b for b in batch_sizes if b in by_batch and by_batch[b]["final"] is not None]
-        xs = [b for b in xs if math.isfinite(by_batch[b]["final"])]
-        plot_arm(axis, optimizer, arm, xs, [by_batch[b]["final"] for b in xs])
-    title = "Final held-out loss at the same sample budget"
-    finish(figure, axis, batch_sizes, "final eval MLM loss", title, directory, "final_loss.png")
+    finish(figure, axis, ylabel, title, directory, "steps_to_target.png")
 
 
 def plot_learning_rates(directory, chosen, batch_sizes) -> None:
@@ -327,6 +365,29 @@ def plot_learning_rates(directory, chosen, batch_sizes) -> None:
     for (optimizer, arm), by_batch in chosen.items():
         xs = [b for b in batch_sizes if b in by_batch]
         plot_arm(axis, optimizer, arm, xs, [by_batch[b]["learning_rate"] for b in xs])
+    batch_axis(axis, batch_sizes)
+    axis.set_xlabel("batch size (sequences)")
     axis.set_yscale("log")
     title = "Learning rate each arm used (sqrt rule: slope 1/2)"
-    finish(figure, axis, batch_sizes, "peak learning rate", title, directory, "learning_rates.png")
+    finish(figure, axis, "peak learning rate", title, directory, "learning_rates.png")
+
+
+def plot_noise(directory, chosen) -> None:
+    """B_simple against the held-out loss at the same step, for the tuned trials."""
+    figure, axis = plots.pyplot().subplots(figsize=(7, 4.5))
+    for (optimizer, arm), by_batch in chosen.items():
+        if arm != "tuned":
+            continue
+        color, marker = STYLES.get(optimizer, ("tab:gray", "o"))
+        xs, ys = [], []
+        for p in by_batch.values():
+            noise = dict(p["noise"])
+            pairs = [(loss, noise[s]) for s, loss in p["curve"] if s in noise]
+            xs += [loss for loss, v in pairs if math.isfinite(v) and v > 0]
+            ys += [v for _, v in pairs if math.isfinite(v) and v > 0]
+        axis.plot(xs, ys, marker, color=color, alpha=0.5, linestyle="", label=optimizer)
+    axis.invert_xaxis()
+    axis.set_xlabel("eval MLM loss (training goes right)")
+    axis.set_yscale("log")
+    title = "Gradient noise scale B_simple during the tuned trials"
+    finish(figure, axis, "B_simple (sequences)", title, directory, "noise_scale.png")

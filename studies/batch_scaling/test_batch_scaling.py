@@ -1,8 +1,8 @@
 """The batch-scaling study (studies/batch_scaling/config.py, studies.batch_scaling.report):
-its grid keeps the sample budget and the square-root rule, its report picks the arms by the
-rule it states, the `report` command answers from its smallest form's trials, and that
-form runs end to end through `python -m lambjax.sweep` and `report` (the one study that
-does: the others check their reports on made-up trials)."""
+its grid gives every batch size its own step budget (one pass at most at CPU size), every
+optimizer the same 4-point grid on the square-root rule, and a target that ends each trial;
+its report picks the arms by the rule it states and fits S(B); its smallest form runs end to
+end through `python -m lambjax.sweep` and `report`."""
 
 import math
 import os
@@ -27,47 +27,52 @@ def study_module():
 
 
 @pytest.mark.parametrize("size", ["cpu", "base", "large"])
-def test_every_trial_sees_the_same_samples_and_the_sqrt_rule(size):
+def test_every_batch_size_has_its_own_budget_and_every_optimizer_the_full_grid(size):
     module = study_module()
     study = module.SIZES[size]
     config = module.get_config(size)
+    assert (config.target.metric, config.target.value) == ("mlm_loss", study["target_loss"])
+    assert config.noise_scale.enabled
     trials = spec.trials(config, module.get_sweep(size))
+    grid = len(study["base_learning_rates"]) * len(study["batch_sizes"])
+    assert len(trials) == grid * len(study["multipliers"]) and len(study["multipliers"]) >= 4
     b0 = study["batch_sizes"][0]
-    # cpu: the three grids at B0, AdamW's at the five larger sizes, LAMB's and LANS's rule
-    # there, one more seed each; base and large: every grid everywhere, two more seeds each.
-    assert len(trials) == {"cpu": 9 + 15 + 10 + 3, "base": 54 + 6, "large": 54 + 6}[size]
     for trial in trials:
         o, labels = trial.overrides, trial.labels
-        batch = o["phases.phase1.global_batch_size"]
-        assert batch == labels["batch"]
-        assert batch * o["phases.phase1.num_steps"] == study["samples"]
+        batch, steps = o["phases.phase1.global_batch_size"], o["phases.phase1.num_steps"]
+        assert batch == labels["batch"] and steps == module.budget(study, batch)
+        if size == "cpu":  # at most one pass, and room for three times the expected steps
+            assert batch * steps <= study["train_sequences"]
+            assert steps >= min(3 * module.expected_steps(study, batch), study["train_sequences"] // batch)
         base = study["base_learning_rates"][labels["optimizer"]]
         rule = base * math.sqrt(batch / b0) * labels["lr_x"]
         assert o["phases.phase1.learning_rate"] == pytest.approx(rule, rel=1e-3)
-        # The LAMB paper's warmup: the same number of warmup steps at every batch size.
-        warmup_steps = o["phases.phase1.warmup_fraction"] * o["phases.phase1.num_steps"]
-        assert warmup_steps == pytest.approx(
-            module.WARMUP_AT_MAX * study["samples"] / max(study["batch_sizes"])
-        )
+        warmup = o["phases.phase1.warmup_fraction"] * steps
+        assert warmup == pytest.approx(study["warmup_steps"]) == labels["warmup"]
+        assert o["phases.phase1.constant_fraction"] == pytest.approx(1 - o["phases.phase1.warmup_fraction"])
         if size != "cpu":  # the pod sizes fit 256 devices as they are
             trial_config = config.copy_and_resolve_references()
             trial_config.update_from_flattened_dict(o)
             plan.resolve(trial_config, vocab_size=trial_config.data.vocab_size, num_devices=256)
 
 
-def point(optimizer, batch, lr_x, steps, final, seed=0):
+def test_stage_two_adds_the_extensions_then_each_best_points_warmups_and_seeds():
+    module = study_module()
+    stage1 = spec.trials(module.get_config("smoke"), module.get_sweep("smoke"))
+    both = spec.trials(module.get_config("smoke,stage2"), module.get_sweep("smoke,stage2"))
+    assert [t.name for t in both[: len(stage1)]] == [t.name for t in stage1]
+    assert [t.name for t in both[len(stage1) :]] == [
+        "optimizer=adamw,batch=16,lr_x=4.0,seed=0,warmup=1",
+        "optimizer=lamb,batch=8,lr_x=1.0,seed=0,warmup=2",
+        "optimizer=lamb,batch=8,lr_x=1.0,seed=1,warmup=1",
+    ]
+
+
+def point(optimizer, batch, lr_x, steps, best, seed=0, warmup=25):
     return dict(
-        optimizer=optimizer,
-        batch=batch,
-        lr_x=lr_x,
-        seed=seed,
-        steps=steps,
-        final=final,
-        done=True,
-        status="finished",
-        learning_rate=1e-3 * lr_x,
-        name="",
-        curve=[],
+        optimizer=optimizer, batch=batch, lr_x=lr_x, seed=seed, warmup=warmup, steps=steps,
+        best=best, done=True, status="finished", learning_rate=1e-3 * lr_x, name="",
+        curve=[], noise=[], bracket=None,
     )
 
 
@@ -77,32 +82,47 @@ def test_the_arms_follow_the_rule_fixed_before_the_runs():
         point("lamb", 32, 0.5, 40, 5.0),
         point("lamb", 32, 1.0, 30, 5.1),
         point("lamb", 32, 2.0, None, 5.9),
-        # At 64, 2 is fastest (tuned), 0.5 and 1 tie on steps: the lower final loss wins.
+        # At 64, 2 is fastest (tuned), 0.5 and 1 tie on steps: the lower best loss wins;
+        # a longer warmup at lr_x 2 is faster still, but only the tuned arm takes it.
         point("lamb", 64, 0.5, 20, 5.2),
         point("lamb", 64, 1.0, 20, 5.3),
         point("lamb", 64, 2.0, 16, 5.4),
-        # At 128 nothing reaches the target: the lowest final loss.
+        point("lamb", 64, 2.0, 14, 5.4, warmup=60),
+        # At 128 nothing reaches the target: the lowest best loss.
         point("lamb", 128, 0.5, None, 5.7),
         point("lamb", 128, 1.0, None, 5.6),
         point("lamb", 128, 2.0, None, 5.8),
     ]
-    chosen = batch_scaling.arms(grid, [32, 64, 128])
-    sqrt_rule = chosen[("lamb", "sqrt rule")]
-    tuned = chosen[("lamb", "tuned")]
+    chosen = batch_scaling.arms(grid, [32, 64, 128], warmup=25)
+    sqrt_rule, tuned = chosen[("lamb", "sqrt rule")], chosen[("lamb", "tuned")]
     assert [sqrt_rule[b]["lr_x"] for b in (32, 64, 128)] == [1.0, 1.0, 1.0]
-    assert [tuned[b]["lr_x"] for b in (32, 64, 128)] == [1.0, 2.0, 1.0]
-    # A declared base is kept whatever the grid at B0 says, and the report says so.
-    study = {"tuned": [], "rule_multipliers": {"lamb": 0.5}}
-    chosen = batch_scaling.arms(grid, [32, 64, 128], study)
-    assert list(chosen) == [("lamb", "sqrt rule")]
-    assert [chosen[("lamb", "sqrt rule")][b]["lr_x"] for b in (32, 64, 128)] == [0.5] * 3
-    check = batch_scaling.base_check(grid, [32, 64, 128], study)
-    assert check.endswith("best lr_x 1.0 (NOT the declared base, lr_x 0.5)"), check
+    assert [sqrt_rule[b]["warmup"] for b in (32, 64, 128)] == [25, 25, 25]
+    assert [(tuned[b]["lr_x"], tuned[b]["warmup"]) for b in (32, 64, 128)] == [
+        (1.0, 25), (2.0, 60), (1.0, 25)
+    ]
+    assert batch_scaling.at_edge(tuned[64], grid) and not batch_scaling.at_edge(tuned[32], grid)
+    table = batch_scaling.arm_table(chosen, [32, 64, 128], grid)
+    assert "| lamb | tuned | 30 / lr 0.001, warmup 25 | 14 / lr 0.002, warmup 60 (edge) |" in table
+
+
+def test_the_fit_recovers_a_known_critical_batch():
+    by_batch = {b: point("lamb", b, 1.0, round(100 * (1 + 200 / b)), 5.0) for b in (32, 64, 128, 256)}
+    s_min, b_crit, count = batch_scaling.fit(by_batch)
+    assert (s_min, b_crit, count) == (pytest.approx(100, rel=0.01), pytest.approx(200, rel=0.01), 4)
+    by_batch[256] = point("lamb", 256, 1.0, None, 6.0)
+    by_batch[128] = point("lamb", 128, 1.0, None, 6.0)
+    assert batch_scaling.fit(by_batch) is None  # two points reached: no fit
+
+
+def test_the_noise_scale_is_read_over_the_second_half_to_the_target():
+    p = point("lamb", 64, 1.0, 100, 5.0)
+    p["noise"] = [(25, 1000.0), (50, 100.0), (75, 200.0), (100, 300.0), (125, 5000.0)]
+    assert batch_scaling.measured_noise(p) == 200.0
 
 
 def test_a_speed_up_carries_the_range_its_evaluation_intervals_allow():
-    # The CPU run's LAMB: 192 steps read every 32 at batch 32, 144 every 16 at 64, 120
-    # every 8 at 128: 1.33 may be anything from 160 / 144 to 192 / 128.
+    # 192 steps read every 32 at batch 32, 144 every 16 at 64, 120 every 8 at 128: 1.33 may
+    # be anything from 160 / 144 to 192 / 128.
     by_batch = {
         32: dict(point("lamb", 32, 1.0, 192, 5.16), bracket=(160, 192)),
         64: dict(point("lamb", 64, 1.0, 144, 5.33), bracket=(128, 144)),
@@ -113,68 +133,71 @@ def test_a_speed_up_carries_the_range_its_evaluation_intervals_allow():
     assert "| lamb | sqrt rule | 1.33 (1.11-1.50) | 1.20 (1.07-1.29) |  |" in table
 
 
+def cells(state, curves, optimizer, target):
+    """The arm table's cells of `optimizer` as the report must write them."""
+    result = []
+    for batch in (8, 16):
+        name = f"optimizer={optimizer},batch={batch},lr_x=1.0,seed=0,warmup=1"
+        reached = next((str(s) for s, loss in curves[batch] if loss <= target), "-")
+        learning_rate = state["trials"][name]["overrides"]["phases.phase1.learning_rate"]
+        result.append(f"{reached} / lr {learning_rate:.3g}")
+    return result
+
+
 def test_the_report_answers_from_the_smallest_forms_trials(tmp_path):
     # The smallest form's sweep with made-up curves (no training), reported as `report DIR`
-    # reports it: through the module the study names. Batch 8 evaluates at steps 1 and 2,
-    # batch 16 at step 1; the target is 7.65.
+    # reports it: through the module the study names. The target is 7.65.
     curves = {
         ("lamb", 8): [(1, 7.7), (2, 7.6)],
         ("lamb", 16): [(1, 7.7)],
-        ("adamw", 8): [(1, 7.6), (2, 7.5)],
+        ("adamw", 8): [(1, 7.6)],
         ("adamw", 16): [(1, 7.62)],
     }
     state = write_sweep(
         tmp_path,
         CONFIG,
         "smoke",
-        lambda t: curve_records(curves[t.labels["optimizer"], t.labels["batch"]]),
-    )
-    assert sorted(state["trials"]) == sorted(
-        f"optimizer={o},batch={b},lr_x=1.0,seed=0" for o in ("lamb", "adamw") for b in (8, 16)
+        lambda t: curve_records(
+            curves[t.labels["optimizer"], t.labels["batch"]], **{"train/noise_scale": 12.0}
+        ),
     )
     report = sweep_report.write_report(str(tmp_path))
     assert "## Batch scaling: steps to the target against batch size" in report
-    for name in ("steps_to_target.png", "final_loss.png", "learning_rates.png"):
+    for name in ("steps_to_target.png", "learning_rates.png", "noise_scale.png"):
         assert (tmp_path / name).stat().st_size > 1000
-    # Each cell is that trial's first eval at or below the target, and its last eval loss.
     target = study_module().SIZES["smoke"]["target_loss"]
-    for optimizer in ("lamb", "adamw"):
-        cells = []
-        for batch in (8, 16):
-            evals = curves[optimizer, batch]
-            name = f"optimizer={optimizer},batch={batch},lr_x=1.0,seed=0"
-            reached = next((str(s) for s, loss in evals if loss <= target), "-")
-            learning_rate = state["trials"][name]["overrides"]["phases.phase1.learning_rate"]
-            cells.append(f"{reached} / {evals[-1][1]:.3f} / lr {learning_rate:.3g}")
-        for arm in ("sqrt rule", "tuned") if optimizer == "adamw" else ("sqrt rule",):
-            assert f"| {optimizer} | {arm} | {' | '.join(cells)} |" in report
-    assert "| lamb | tuned |" not in report  # the smoke study tunes AdamW only
-    assert "| lamb | sqrt rule | 2 / 7.600 / lr 0.01 | - / 7.700 / lr 0.0141 |" in report
+    lamb = cells(state, {b: curves["lamb", b] for b in (8, 16)}, "lamb", target)
+    assert lamb == ["2 / lr 0.01", "- / lr 0.0141"]
+    assert f"| lamb | sqrt rule | {' | '.join(lamb)} |" in report
+    adamw = cells(state, {b: curves["adamw", b] for b in (8, 16)}, "adamw", target)
+    assert "| adamw | tuned | 1 / lr 0.001, warmup 1 | 1 / lr 0.00141, warmup 1 |" in report
+    assert f"| adamw | sqrt rule | {' | '.join(adamw)} |" in report
+    assert "| adamw | 1.00 (0.00-inf) |" not in report
+    assert "| lamb | - | - | fewer than 3 reached | 12 |" in report
 
 
 @pytest.mark.slow  # the dataset's build and four trials' training
 def test_the_smallest_study_runs_through_the_sweep_and_report(tmp_path, study_data_dir):
-    # The studies' one run end to end: its README's commands, shortened.
+    # The studies' one run end to end: its README's commands, shortened. Each trial ends at
+    # its first evaluation at or below the target, or at its budget.
     workdir = tmp_path / "study"
     state, report = run_study(CONFIG, workdir, study_data_dir)
+    module = study_module()
+    study = module.SIZES["smoke"]
     assert sorted(state["trials"]) == sorted(
-        f"optimizer={o},batch={b},lr_x=1.0,seed=0" for o in ("lamb", "adamw") for b in (8, 16)
+        f"optimizer={o},batch={b},lr_x=1.0,seed=0,warmup=1" for o in ("lamb", "adamw") for b in (8, 16)
     )
     assert "## Batch scaling: steps to the target against batch size" in report
-    for name in ("steps_to_target.png", "final_loss.png", "learning_rates.png"):
-        assert (workdir / name).stat().st_size > 1000
-    # Each cell is that trial's first eval at or below the target, and its last eval loss.
-    target = study_module().SIZES["smoke"]["target_loss"]
     for optimizer in ("lamb", "adamw"):
-        cells = []
+        curves = {}
         for batch in (8, 16):
-            name = f"optimizer={optimizer},batch={batch},lr_x=1.0,seed=0"
+            name = f"optimizer={optimizer},batch={batch},lr_x=1.0,seed=0,warmup=1"
             records = read_jsonl(str(workdir / name / "metrics.jsonl"))
-            evals = [(s, r[LOSS]) for s, r in sorted(records.items()) if LOSS in r]
-            assert [s for s, _ in evals] == list(range(1, 16 // batch + 1))
-            reached = next((str(s) for s, loss in evals if loss <= target), "-")
-            learning_rate = state["trials"][name]["overrides"]["phases.phase1.learning_rate"]
-            cells.append(f"{reached} / {evals[-1][1]:.3f} / lr {learning_rate:.3g}")
-        for arm in ("sqrt rule", "tuned") if optimizer == "adamw" else ("sqrt rule",):
-            assert f"| {optimizer} | {arm} | {' | '.join(cells)} |" in report
-    assert "| lamb | tuned |" not in report  # the smoke study tunes AdamW only
+            curves[batch] = [(s, r[LOSS]) for s, r in sorted(records.items()) if LOSS in r]
+            steps = [s for s, _ in curves[batch]]
+            reached = [s for s, loss in curves[batch] if loss <= study["target_loss"]]
+            # Every step evaluated, up to the target or the budget, and no further.
+            assert steps == list(range(1, (reached[0] if reached else module.budget(study, batch)) + 1))
+            assert (workdir / name / "target_reached.json").exists() == bool(reached)
+        expected = cells(state, curves, optimizer, study["target_loss"])
+        assert f"| {optimizer} | sqrt rule | {' | '.join(expected)} |" in report
