@@ -57,12 +57,15 @@ def write_corpus(root: str, out: str, shards: int = SHARDS) -> dict:
     os.makedirs(out, exist_ok=True)
     existing = [f for f in os.listdir(out) if f.startswith("linux-doc-")]
     if existing:
-        raise SystemExit(f"{out} already holds {len(existing)} linux-doc-*.txt files; "
-                         "name an empty folder")
+        raise SystemExit(
+            f"{out} already holds {len(existing)} linux-doc-*.txt files; name an empty folder"
+        )
     total = sum(len(d) for d in documents)
     shard, written = 0, 0
-    files = [open(os.path.join(out, f"linux-doc-{i:02d}.txt"), "w", encoding="utf-8")
-             for i in range(shards)]
+    files = [
+        open(os.path.join(out, f"linux-doc-{i:02d}.txt"), "w", encoding="utf-8")
+        for i in range(shards)
+    ]
     try:
         for text in documents:
             shard = min(shards - 1, written * shards // total)
@@ -80,13 +83,16 @@ def main(argv: list[str]) -> None:
     deb, out = argv[1], argv[2]
     if not os.path.isfile(deb):
         raise SystemExit(f"{deb}: no such .deb (apt-get download linux-doc-6.1 gives one)")
-    version = subprocess.run(["dpkg-deb", "--field", deb, "Version"], check=True,
-                             capture_output=True, text=True).stdout.strip()
+    version = subprocess.run(
+        ["dpkg-deb", "--field", deb, "Version"], check=True, capture_output=True, text=True
+    ).stdout.strip()
     with tempfile.TemporaryDirectory() as tmp:
         subprocess.run(["dpkg-deb", "-x", deb, tmp], check=True)
         counts = write_corpus(os.path.join(tmp, SOURCES), out)
-    print(f"linux-doc-6.1 {version}: {counts['documents']} documents, "
-          f"{counts['characters']:,} characters in {counts['files']} files under {out}")
+    print(
+        f"linux-doc-6.1 {version}: {counts['documents']} documents, "
+        f"{counts['characters']:,} characters in {counts['files']} files under {out}"
+    )
 
 
 if __name__ == "__main__":

@@ -52,8 +52,9 @@ def scores(counts: dict, vocab_size: int, targets) -> dict:
     }
 
 
-def masked_targets(prepared, eval_batch_size: int, seed: int, max_predictions: int,
-                   eval_steps: int = 0) -> list[int]:
+def masked_targets(
+    prepared, eval_batch_size: int, seed: int, max_predictions: int, eval_steps: int = 0
+) -> list[int]:
     """The token ids an evaluation scores: every masked position of the held-out batches
     (the first `eval_steps` of them; 0: all)."""
     batches = reader.make_iterator(
@@ -76,7 +77,9 @@ def masked_targets(prepared, eval_batch_size: int, seed: int, max_predictions: i
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--data_dir", required=True, help="where the dataset is (or goes)")
-    parser.add_argument("--config", help="a study's config (FILE[:ARG]); default: the shared set-up")
+    parser.add_argument(
+        "--config", help="a study's config (FILE[:ARG]); default: the shared set-up"
+    )
     parser.add_argument("--eval_batch_size", type=int, help="default: the config's, or 32")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
     args = parser.parse_args()

@@ -225,8 +225,14 @@ def get_config(arg=None):
     return config
 
 
-def trial(study: dict, optimizer: str, batch_size: int, multiplier: float, seed: int = 0,
-          warmup: int | None = None) -> dict:
+def trial(
+    study: dict,
+    optimizer: str,
+    batch_size: int,
+    multiplier: float,
+    seed: int = 0,
+    warmup: int | None = None,
+) -> dict:
     """One point of the grid, labelled with what the report groups by."""
     steps = budget(study, batch_size)
     warmup = study["warmup_steps"] if warmup is None else warmup
@@ -273,10 +279,10 @@ def stage2(study: dict) -> list[dict]:
         for multiplier in extra
     ]
     for (optimizer, batch_size), multiplier in study["best"].items():
-        trials += [trial(study, optimizer, batch_size, multiplier, warmup=w)
-                   for w in study["warmups"]]
-        trials += [trial(study, optimizer, batch_size, multiplier, seed=s)
-                   for s in study["seeds"]]
+        trials += [
+            trial(study, optimizer, batch_size, multiplier, warmup=w) for w in study["warmups"]
+        ]
+        trials += [trial(study, optimizer, batch_size, multiplier, seed=s) for s in study["seeds"]]
     return trials
 
 

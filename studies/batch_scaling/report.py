@@ -94,7 +94,9 @@ def arms(grid: list[dict], batch_sizes: list[int], warmup: int) -> dict:
 def at_edge(point: dict, grid: list[dict]) -> bool:
     """Whether a chosen multiplier is the lowest or highest its (optimizer, batch) ran."""
     tried = [
-        p["lr_x"] for p in grid if (p["optimizer"], p["batch"]) == (point["optimizer"], point["batch"])
+        p["lr_x"]
+        for p in grid
+        if (p["optimizer"], p["batch"]) == (point["optimizer"], point["batch"])
     ]
     return len(tried) > 1 and point["lr_x"] in (min(tried), max(tried))
 
@@ -284,7 +286,8 @@ def warmup_table(every: list[dict], chosen: dict) -> str:
             same = [
                 q
                 for q in every
-                if (q["optimizer"], q["batch"], q["lr_x"], q["seed"]) == (optimizer, b, p["lr_x"], 0)
+                if (q["optimizer"], q["batch"], q["lr_x"], q["seed"])
+                == (optimizer, b, p["lr_x"], 0)
             ]
             if len({q.get("warmup") for q in same}) < 2:
                 continue

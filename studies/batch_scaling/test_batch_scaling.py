@@ -43,13 +43,17 @@ def test_every_batch_size_has_its_own_budget_and_every_optimizer_the_full_grid(s
         assert batch == labels["batch"] and steps == module.budget(study, batch)
         if size == "cpu":  # at most one pass, and room for three times the expected steps
             assert batch * steps <= study["train_sequences"]
-            assert steps >= min(3 * module.expected_steps(study, batch), study["train_sequences"] // batch)
+            assert steps >= min(
+                3 * module.expected_steps(study, batch), study["train_sequences"] // batch
+            )
         base = study["base_learning_rates"][labels["optimizer"]]
         rule = base * math.sqrt(batch / b0) * labels["lr_x"]
         assert o["phases.phase1.learning_rate"] == pytest.approx(rule, rel=1e-3)
         warmup = o["phases.phase1.warmup_fraction"] * steps
         assert warmup == pytest.approx(study["warmup_steps"]) == labels["warmup"]
-        assert o["phases.phase1.constant_fraction"] == pytest.approx(1 - o["phases.phase1.warmup_fraction"])
+        assert o["phases.phase1.constant_fraction"] == pytest.approx(
+            1 - o["phases.phase1.warmup_fraction"]
+        )
         if size != "cpu":  # the pod sizes fit 256 devices as they are
             trial_config = config.copy_and_resolve_references()
             trial_config.update_from_flattened_dict(o)
@@ -70,9 +74,20 @@ def test_stage_two_adds_the_extensions_then_each_best_points_warmups_and_seeds()
 
 def point(optimizer, batch, lr_x, steps, best, seed=0, warmup=25):
     return dict(
-        optimizer=optimizer, batch=batch, lr_x=lr_x, seed=seed, warmup=warmup, steps=steps,
-        best=best, done=True, status="finished", learning_rate=1e-3 * lr_x, name="",
-        curve=[], noise=[], bracket=None,
+        optimizer=optimizer,
+        batch=batch,
+        lr_x=lr_x,
+        seed=seed,
+        warmup=warmup,
+        steps=steps,
+        best=best,
+        done=True,
+        status="finished",
+        learning_rate=1e-3 * lr_x,
+        name="",
+        curve=[],
+        noise=[],
+        bracket=None,
     )
 
 
@@ -98,7 +113,9 @@ def test_the_arms_follow_the_rule_fixed_before_the_runs():
     assert [sqrt_rule[b]["lr_x"] for b in (32, 64, 128)] == [1.0, 1.0, 1.0]
     assert [sqrt_rule[b]["warmup"] for b in (32, 64, 128)] == [25, 25, 25]
     assert [(tuned[b]["lr_x"], tuned[b]["warmup"]) for b in (32, 64, 128)] == [
-        (1.0, 25), (2.0, 60), (1.0, 25)
+        (1.0, 25),
+        (2.0, 60),
+        (1.0, 25),
     ]
     assert batch_scaling.at_edge(tuned[64], grid) and not batch_scaling.at_edge(tuned[32], grid)
     table = batch_scaling.arm_table(chosen, [32, 64, 128], grid)
@@ -106,7 +123,9 @@ def test_the_arms_follow_the_rule_fixed_before_the_runs():
 
 
 def test_the_fit_recovers_a_known_critical_batch():
-    by_batch = {b: point("lamb", b, 1.0, round(100 * (1 + 200 / b)), 5.0) for b in (32, 64, 128, 256)}
+    by_batch = {
+        b: point("lamb", b, 1.0, round(100 * (1 + 200 / b)), 5.0) for b in (32, 64, 128, 256)
+    }
     s_min, b_crit, count = batch_scaling.fit(by_batch)
     assert (s_min, b_crit, count) == (pytest.approx(100, rel=0.01), pytest.approx(200, rel=0.01), 4)
     by_batch[256] = point("lamb", 256, 1.0, None, 6.0)
@@ -185,7 +204,9 @@ def test_the_smallest_study_runs_through_the_sweep_and_report(tmp_path, study_da
     module = study_module()
     study = module.SIZES["smoke"]
     assert sorted(state["trials"]) == sorted(
-        f"optimizer={o},batch={b},lr_x=1.0,seed=0,warmup=1" for o in ("lamb", "adamw") for b in (8, 16)
+        f"optimizer={o},batch={b},lr_x=1.0,seed=0,warmup=1"
+        for o in ("lamb", "adamw")
+        for b in (8, 16)
     )
     assert "## Batch scaling: steps to the target against batch size" in report
     for optimizer in ("lamb", "adamw"):
@@ -197,7 +218,9 @@ def test_the_smallest_study_runs_through_the_sweep_and_report(tmp_path, study_da
             steps = [s for s, _ in curves[batch]]
             reached = [s for s, loss in curves[batch] if loss <= study["target_loss"]]
             # Every step evaluated, up to the target or the budget, and no further.
-            assert steps == list(range(1, (reached[0] if reached else module.budget(study, batch)) + 1))
+            assert steps == list(
+                range(1, (reached[0] if reached else module.budget(study, batch)) + 1)
+            )
             assert (workdir / name / "target_reached.json").exists() == bool(reached)
         expected = cells(state, curves, optimizer, study["target_loss"])
         assert f"| {optimizer} | sqrt rule | {' | '.join(expected)} |" in report

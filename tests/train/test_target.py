@@ -35,8 +35,12 @@ def test_a_loss_is_reached_at_or_below_and_an_accuracy_at_or_above():
 @pytest.mark.parametrize(
     "metric, value, message",
     [
-        ("loss", 1.0, "config.target.metric='loss' is not a held-out metric with a target; "
-         "valid: mlm_loss, mlm_accuracy, nsp_accuracy"),
+        (
+            "loss",
+            1.0,
+            "config.target.metric='loss' is not a held-out metric with a target; "
+            "valid: mlm_loss, mlm_accuracy, nsp_accuracy",
+        ),
         ("mlm_loss", float("nan"), "config.target.value=nan must be a finite number"),
         ("mlm_loss", -1.0, "config.target.value=-1.0 must be > 0 for mlm_loss"),
         ("mlm_accuracy", 72.0, r"config.target.value=72.0 must lie in \(0, 1\] for mlm_accuracy"),
