@@ -6,6 +6,7 @@ by SIGTERM and rerun, a resume onto another device count, and a resume past a co
 checkpoint. Each run is a real subprocess, as a user would start it.
 """
 
+import json
 import os
 import re
 import shutil
@@ -15,6 +16,9 @@ import sys
 
 import pytest
 
+from lambjax import cli
+from lambjax.sweep import runner, spec
+from lambjax.train import target as target_lib
 from lambjax.train.metrics import read_jsonl
 from tests.helpers import (
     PHASE1_STEPS,
@@ -388,6 +392,39 @@ def test_a_run_resumes_with_more_steps_and_other_intervals(reference, data_dir, 
     assert "changed setting: phases.phase2.num_steps: 6 in the workdir, 8 now" in result.stderr
     assert f"training steps {PHASE2_STEPS + 1}..{more}" in result.stderr
     assert os.path.isdir(os.path.join(workdir, "checkpoints", "phase2", str(more)))
+
+
+@pytest.mark.slow
+def test_a_run_ends_at_its_target_and_a_rerun_does_nothing_more(reference, data_dir, tmp_path):
+    # The target is the reference's held-out MLM loss at its first evaluation: reached there.
+    evals = {
+        s: r["eval/mlm_loss"]
+        for s, r in read_jsonl(f"{reference}/metrics.jsonl").items()
+        if "eval/mlm_loss" in r
+    }
+    first = min(evals)
+    workdir = tmp_path / "run"
+    reach = ("--config.target.metric=mlm_loss", f"--config.target.value={evals[first]!r}")
+    run(str(workdir), data_dir, 4, *reach)
+    record = json.loads((workdir / target_lib.FILE).read_text())
+    assert (record["phase"], record["step"], record["global_step"]) == ("phase1", first, first)
+    assert record["eval"]["mlm_loss"] == evals[first]
+    assert os.listdir(workdir / "checkpoints") == ["phase1"]
+    assert str(first) in os.listdir(workdir / "checkpoints" / "phase1")
+    reference_losses = losses(reference)
+    assert losses(str(workdir)) == {s: v for s, v in reference_losses.items() if s <= first}
+    metrics = (workdir / "metrics.jsonl").read_text()
+
+    again = run(str(workdir), data_dir, 4, *reach)
+    assert "nothing more to do" in again.stderr
+    assert (workdir / "metrics.jsonl").read_text() == metrics
+    overrides = {"target.metric": "mlm_loss", "target.value": evals[first]}
+    trial = spec.Trial("run", overrides, {})
+    config = cli.load_config(os.path.join(REPO, "configs/default.py:runlocal"))
+    assert not runner.is_complete(runner.final_checkpoint(config, str(tmp_path), trial))
+    assert runner.Sweep(config, "configs/default.py:runlocal", str(tmp_path), [trial]).finished(
+        trial
+    )
 
 
 @pytest.mark.slow

@@ -1,15 +1,14 @@
 """config.target ends a run at the first evaluation that reaches it (as MLPerf's BERT ends at
 a masked-LM accuracy): a checkpoint there, target_reached.json, no later phase; rerunning
-does nothing more, and a sweep counts the trial finished."""
+does nothing more, and a sweep counts the trial finished (the run itself:
+tests/train/test_runs.py, against the reference run)."""
 
-import json
 import os
 
 import ml_collections
 import pytest
 
 from lambjax import cli
-from lambjax.sweep import runner, spec
 from lambjax.train import config as config_lib
 from lambjax.train import loop
 from lambjax.train import plan as plan_lib
@@ -95,27 +94,3 @@ def test_the_loop_saves_and_ends_at_the_evaluation_that_reaches_the_target():
     assert job.saved == [6]
     job = CountingJob(reach=99)
     assert loop.run_job(job, 0, 0, NeverStops())[1] == 10 and job.saved == [10]
-
-
-@pytest.mark.slow
-def test_a_run_ends_at_its_target_and_a_rerun_does_nothing_more(tmp_path):
-    workdir, data_dir = tmp_path / "run", tmp_path / "data"
-    reach = ("--config.target.metric=mlm_accuracy", "--config.target.value=0.001")
-    helpers.run_demo(workdir, data_dir, 1, "--config.eval_every_steps=4", *reach)
-    record = json.loads((workdir / target_lib.FILE).read_text())
-    assert (record["phase"], record["step"], record["global_step"]) == ("phase1", 4, 4)
-    assert record["eval"]["mlm_accuracy"] >= 0.001
-    assert sorted(os.listdir(workdir / "checkpoints")) == ["phase1"]
-    assert "4" in os.listdir(workdir / "checkpoints" / "phase1")
-    assert max(helpers.losses(str(workdir))) == 4
-    metrics = (workdir / "metrics.jsonl").read_text()
-
-    again = helpers.run_demo(workdir, data_dir, 1, "--config.eval_every_steps=4", *reach)
-    assert "nothing more to do" in again.stderr
-    assert (workdir / "metrics.jsonl").read_text() == metrics
-
-    trial = spec.Trial("run", {"target.metric": "mlm_accuracy", "target.value": 0.001}, {})
-    config = cli.load_config(os.path.join(helpers.REPO, "configs/default.py:runlocal"))
-    assert not runner.is_complete(runner.final_checkpoint(config, str(tmp_path), trial))
-    sweep = runner.Sweep(config, "configs/default.py:runlocal", str(tmp_path), [trial])
-    assert sweep.finished(trial)
