@@ -101,6 +101,32 @@ def at_edge(point: dict, grid: list[dict]) -> bool:
     return len(tried) > 1 and point["lr_x"] in (min(tried), max(tried))
 
 
+def stage2_settings(grid: list[dict], chosen: dict) -> tuple[dict, dict]:
+    """Stage 2's settings by the rule fixed before stage 1 (studies/batch_scaling/config.py):
+    `extensions`, one more multiplier (x2 or /2) beyond an edge the tuned choice sits at, or
+    beyond both where no multiplier reached the target; `best`, the tuned multiplier of every
+    (optimizer, batch) that reached it, to be rerun with the other warmups and seeds."""
+    extensions, best = {}, {}
+    for (optimizer, arm), by_batch in chosen.items():
+        if arm != "tuned":
+            continue
+        for batch, p in sorted(by_batch.items()):
+            tried = sorted(
+                q["lr_x"] for q in grid if (q["optimizer"], q["batch"]) == (optimizer, batch)
+            )
+            if not p["done"]:
+                continue
+            if p["steps"] is None:
+                extensions[(optimizer, batch)] = (tried[0] / 2, tried[-1] * 2)
+                continue
+            best[(optimizer, batch)] = p["lr_x"]
+            if len(tried) > 1 and p["lr_x"] == tried[0]:
+                extensions[(optimizer, batch)] = (tried[0] / 2,)
+            elif len(tried) > 1 and p["lr_x"] == tried[-1]:
+                extensions[(optimizer, batch)] = (tried[-1] * 2,)
+    return extensions, best
+
+
 def fit(by_batch: dict) -> tuple[float, float, int] | None:
     """(S_min, B_crit, points) of S = S_min (1 + B_crit / B), least squares of S on 1/B over
     the batch sizes that reached the target; None with fewer than 3 or a non-positive S_min."""
@@ -174,6 +200,15 @@ def study_report(directory: str, trials: dict, study: dict) -> str:
             arm_table(arms(others, batch_sizes, warmup), batch_sizes, others),
             "",
         ]
+    extensions, best = stage2_settings(grid, chosen)
+    lines += [
+        "Stage 2 by its rule (the config's `extensions` and `best`, committed before stage 2 "
+        "runs):",
+        "",
+        f"    extensions={extensions!r},",
+        f"    best={best!r},",
+        "",
+    ]
     plot_steps(directory, chosen, batch_sizes, budgets, target)
     plot_learning_rates(directory, chosen, batch_sizes)
     plot_noise(directory, chosen)

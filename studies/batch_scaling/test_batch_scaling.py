@@ -122,6 +122,22 @@ def test_the_arms_follow_the_rule_fixed_before_the_runs():
     assert "| lamb | tuned | 30 / lr 0.001, warmup 25 | 14 / lr 0.002, warmup 60 (edge) |" in table
 
 
+def test_stage_two_follows_the_rule_from_stage_ones_grid():
+    grid = [
+        point("lamb", 32, 0.5, 40, 5.0),  # the lowest edge is best: extend below
+        point("lamb", 32, 1.0, 50, 5.0),
+        point("lamb", 64, 0.5, 30, 5.0),
+        point("lamb", 64, 1.0, 20, 5.0),  # inside the grid: no extension
+        point("lamb", 64, 2.0, 25, 5.0),
+        point("lamb", 128, 0.5, None, 6.0),  # nothing reached: extend both ways, no seeds
+        point("lamb", 128, 1.0, None, 6.0),
+    ]
+    chosen = batch_scaling.arms(grid, [32, 64, 128], warmup=25)
+    extensions, best = batch_scaling.stage2_settings(grid, chosen)
+    assert extensions == {("lamb", 32): (0.25,), ("lamb", 128): (0.25, 2.0)}
+    assert best == {("lamb", 32): 0.5, ("lamb", 64): 1.0}
+
+
 def test_the_fit_recovers_a_known_critical_batch():
     by_batch = {
         b: point("lamb", b, 1.0, round(100 * (1 + 200 / b)), 5.0) for b in (32, 64, 128, 256)

@@ -110,6 +110,29 @@ def chosen(every: list[dict]) -> dict[str, list[dict]]:
     return result
 
 
+def stage2_settings(every: list[dict]) -> tuple[dict, dict]:
+    """Stage 2's settings by the rule fixed before stage 1 (studies/equal_compute/config.py):
+    `extensions`, one more rate (x2 or /2) beyond a grid edge an arm's best sits at, or
+    beyond both where none of its rates reached the target; `best`, the rate of every arm
+    that reached it, rerun with the other seeds."""
+    extensions, best = {}, {}
+    for arm in NAMES:
+        grid = [p for p in every if p["arm"] == arm and p["seed"] == 0]
+        if not grid or not all(p["status"] == "finished" for p in grid):
+            continue
+        rates = sorted(p["lr"] for p in grid)
+        chosen_point = min(grid, key=rank)
+        if not math.isfinite(chosen_point["flops"]):
+            extensions[arm] = (rates[0] / 2, rates[-1] * 2)
+            continue
+        best[arm] = chosen_point["lr"]
+        if len(rates) > 1 and chosen_point["lr"] == rates[0]:
+            extensions[arm] = (rates[0] / 2,)
+        elif len(rates) > 1 and chosen_point["lr"] == rates[-1]:
+            extensions[arm] = (rates[-1] * 2,)
+    return extensions, best
+
+
 def summary(runs: list[dict], key: str) -> tuple[float, float]:
     """(mean, range) of `key` over runs that all reached the target; (inf, nan) else."""
     values = [p[key] for p in runs]
@@ -213,6 +236,15 @@ def study_report(directory: str, trials: dict, study: dict) -> str:
             "",
             comparison_table(chosen(points(directory, trials, study, other))),
         ]
+    extensions, best = stage2_settings(every)
+    lines += [
+        "",
+        "Stage 2 by its rule (the config's `extensions` and `best`, committed before stage 2 "
+        "runs; arms whose grid has not finished are left out):",
+        "",
+        f"    extensions={extensions!r},",
+        f"    best={best!r},",
+    ]
     plot_curves(directory, arms, study, target)
     plot_learning_rates(directory, every)
     lines += ["", "Plots: equal_compute_loss_vs_flops.png, equal_compute_learning_rates.png"]

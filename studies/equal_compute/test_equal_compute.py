@@ -152,6 +152,22 @@ def test_the_verdict_needs_three_seeds_and_a_gap_beyond_their_range():
     )
 
 
+def test_stage_two_follows_the_rule_from_stage_ones_grid():
+    every = [
+        point("postln", 1e-3, 0, 0.5),
+        point("postln", 2e-3, 0, 0.4),  # top edge: extend up
+        point("pld", 1e-3, 0, math.inf),
+        point("pld", 2e-3, 0, math.inf),  # none: both ways
+        point("mslt", 1e-3, 0, 0.6),
+        point("mslt", 2e-3, 0, 0.7),
+        point("mslt", 4e-3, 0, 0.8),
+    ]
+    every[-1]["status"] = "running"  # an arm whose grid has not finished is left out
+    extensions, best = equal_compute.stage2_settings(every)
+    assert extensions == {"postln": (4e-3,), "pld": (5e-4, 4e-3)}
+    assert best == {"postln": 2e-3}
+
+
 def test_the_report_answers_from_the_smallest_forms_trials(tmp_path):
     curves = {
         "postln": [(1, 7.7), (2, 7.6)],
