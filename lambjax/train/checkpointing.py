@@ -117,6 +117,19 @@ class PhaseCheckpoints:
         finally:
             self._manager.close()
 
+    def abandon(self) -> None:
+        """Waits for an asynchronous save to end and closes, as the run ends on an error:
+        a failure of that save goes to the log file only (the error that ends the run says
+        what happened); never raises."""
+        try:
+            self._manager.wait_until_finished()
+        except Exception as error:  # noqa: BLE001 - the run already ends on another error
+            logging.info("A background save failed:", exc_info=error, extra=console.FILE_ONLY)
+        try:
+            self._manager.close()
+        except Exception as error:  # noqa: BLE001
+            logging.info("Closing the checkpoints failed:", exc_info=error, extra=console.FILE_ONLY)
+
     def _save_failed(self, error: Exception) -> SaveFailed:
         logging.info("The checkpoint save failed:", exc_info=error, extra=console.FILE_ONLY)
         kept = list(self._manager.all_steps())

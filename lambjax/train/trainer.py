@@ -180,7 +180,13 @@ def run_phase(
         metrics_lib.log_parameters(state.params, phase.model_config, workdir, writer)
     state = steps.to_running(state)  # the layout the steps take (lambjax.train.layout)
     job = PhaseLoop(run_plan, workdir, phase, writer, ckpt, steps, data_state)
-    step, stopped = job.train(state, step, stop)
+    try:
+        step, stopped = job.train(state, step, stop)
+    except BaseException:
+        # A failed save, a divergence, Ctrl-C: any save still being written in the background
+        # ends before the error's line is printed (nothing of Orbax's follows it).
+        ckpt.abandon()
+        raise
     writer.flush()
     ckpt.close()
     return PhaseResult(

@@ -254,14 +254,22 @@ def test_corrupt_latest_checkpoint_falls_back_to_the_previous(reference, data_di
     assert {s: logged[s] for s in logged} == {s: expected[s] for s in logged}
 
 
-def flip_bytes_in_largest_data_file(state_dir: str, count: int = 4096) -> None:
-    """Inverts `count` bytes in the middle of the largest data file of a checkpoint's state:
-    the file still decodes, to other numbers."""
+ZSTD_FRAME = b"\x28\xb5\x2f\xfd"  # the magic number that starts every zstd frame
+
+
+def flip_bytes_in_largest_data_file(state_dir: str, count: int = 64) -> None:
+    """Inverts `count` bytes in the middle of the largest compressed value (zstd frame) of a
+    checkpoint's largest data file: weights do not compress, so zstd keeps them as raw
+    blocks, and the file still decodes, to other numbers. (Bytes flipped across a frame's
+    start make the read itself fail instead, which the corrupt-checkpoint test covers.)"""
     paths = [os.path.join(d, f) for d, _, files in os.walk(state_dir) for f in files]
     path = max((p for p in paths if os.sep + "d" + os.sep in p), key=os.path.getsize)
     with open(path, "r+b") as f:
         data = bytearray(f.read())
-        middle = len(data) // 2
+        starts = [m.start() for m in re.finditer(re.escape(ZSTD_FRAME), bytes(data))]
+        frames = zip(starts, [*starts[1:], len(data)], strict=True)
+        first, end = max(frames, key=lambda frame: frame[1] - frame[0])
+        middle = (first + end) // 2
         data[middle : middle + count] = bytes(b ^ 0xFF for b in data[middle : middle + count])
         f.seek(0)
         f.write(data)
