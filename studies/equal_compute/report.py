@@ -97,8 +97,16 @@ def rank(point: dict) -> tuple:
     return (point["flops"], point["best"] if math.isfinite(point["best"]) else math.inf)
 
 
+def ended(point: dict) -> bool:
+    """Whether the trial has ended (finished, or failed: a divergence); a running or
+    pending one is left out of every choice."""
+    return point["status"] == "finished" or point["status"].startswith("failed")
+
+
 def chosen(every: list[dict]) -> dict[str, list[dict]]:
-    """Arm -> the trials of its chosen rate (seed 0's best), every seed, seed 0 first."""
+    """Arm -> the ended trials of its chosen rate (seed 0's best of those that ended),
+    every seed, seed 0 first."""
+    every = [p for p in every if ended(p)]
     result = {}
     for arm in NAMES:
         grid = [p for p in every if p["arm"] == arm and p["seed"] == 0]
@@ -189,7 +197,7 @@ def grid_table(every: list[dict], study: dict) -> str:
             p = grid.get(rate)
             if p is None:
                 cells.append("")
-            elif not p["curve"]:
+            elif not ended(p):
                 cells.append(f"({p['status'] or 'not run'})")
             else:
                 steps = "-" if p["steps"] is None else str(p["steps"])
