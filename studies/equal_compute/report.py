@@ -11,10 +11,10 @@ preln, PLD's logged layers run per log window (train/pld_layers_run), each MSLT 
 the same budget of FLOPs.
 
 A speed-up is the baseline's mean FLOPs to the target over the arm's; it reads as a verdict
-(studies.curves.seed_verdict) only where both were run with 3 seeds, against the larger of
-the two seed ranges. Training time is the trials' logged step times added up (compiling and
-evaluating not counted; trials that shared the machine measured its load too): a second
-reading, not the verdict.
+(studies.curves.seed_verdict) only where both were run with 3 seeds ("none yet" before),
+against the larger of the two seed ranges. Training time is the trials' logged step times
+added up (compiling and evaluating not counted; trials that shared the machine measured its
+load too): a second reading, not the verdict.
 
 Written into DIR: the study's section of report.md, equal_compute_loss_vs_flops.png (the
 held-out loss of each arm's chosen trials against FLOPs, the target as a line) and
@@ -168,12 +168,12 @@ def comparison_table(arms: dict[str, list[dict]]) -> str:
         per_seed = ", ".join(number(p["flops"], ".3f") for p in runs)
         speedup = base_mean / mean if math.isfinite(mean) and math.isfinite(base_mean) else math.nan
         verdict = "baseline"
-        if arm != "postln":
-            band = max(base_range, spread) if base else math.nan
-            gap = mean - base_mean
-            verdict = curves.seed_verdict(
-                gap, band, min(len(runs), len(base or [])), "the seed range"
-            )
+        seeds = min(len(runs), len(base or []))
+        if arm != "postln" and seeds < curves.MIN_SEEDS:
+            verdict = f"none yet ({seeds} seed{'s' if seeds != 1 else ''})"
+        elif arm != "postln":
+            band = max(base_range, spread)
+            verdict = curves.seed_verdict(mean - base_mean, band, seeds, "the seed range")
         steps = ", ".join("-" if p["steps"] is None else str(p["steps"]) for p in runs)
         seconds = ", ".join(number(p["seconds"], ".0f", " s") for p in runs)
         lines.append(
