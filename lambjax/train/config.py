@@ -132,6 +132,33 @@ def phase_config(
     )
 
 
+def _method_fields(config: ml_collections.ConfigDict) -> None:
+    """The seed papers' methods and the run's measures, all off by default: layer dropping,
+    the standardization loss, a step method, the gradient noise scale and a target."""
+    # Progressive layer dropping (needs model layer_norm="pre"): keep probability
+    # theta(t) = (1 - theta_bar) exp(-gamma t) + theta_bar, t = optimizer steps of the run;
+    # depth_rule "deepspeed" (the authors' code: the first layer is never dropped) or "paper".
+    config.layer_drop = ml_collections.ConfigDict(
+        {"enabled": False, "theta_bar": 0.5, "gamma": 0.001, "depth_rule": "deepspeed"}
+    )
+    # The standardization loss (Collins et al. 2019): weight lambda of L_std in the objective,
+    # for a model with model.overrides.normalization="none"; 0 = off. site: where it
+    # attaches, "residual" (the tensors the removed LayerNorms normalized) or
+    # "preactivation" (each FFN's intermediate output before GELU, as in the paper).
+    config.standardization_loss = ml_collections.ConfigDict({"weight": 0.0, "site": "residual"})
+    # A method that replaces the train step: the module that provides it (lambjax.train.method),
+    # e.g. "lambjax.contrib.ouroboros", which adds its own fields; "" = the core step.
+    config.step_method = ""
+    # The gradient noise scale B_simple (lambjax.train.noise_scale), logged as
+    # train/noise_scale: needs grad_accum_steps >= 2 in every phase. ema_decay: per step,
+    # of the averages of its numerator and denominator.
+    config.noise_scale = ml_collections.ConfigDict({"enabled": False, "ema_decay": 0.95})
+    # End the run at the first held-out evaluation whose metric reaches `value`
+    # (lambjax.train.target): "mlm_loss" at or below it, "mlm_accuracy" or "nsp_accuracy" at
+    # or above (MLPerf's BERT: mlm_accuracy 0.720); "" = every phase to its last step.
+    config.target = ml_collections.ConfigDict({"metric": "", "value": 0.0})
+
+
 def base_config() -> ml_collections.ConfigDict:
     """Fields every experiment has, with the embedded tiny demo's values."""
     config = ml_collections.ConfigDict()
@@ -159,28 +186,7 @@ def base_config() -> ml_collections.ConfigDict:
     # Where the gradient is summed over the mesh axis `data` (lambjax.train.reduction):
     # "each_microbatch" (XLA's choice: inside the micro-batch loop) or "once" per step.
     config.gradient_reduction = "each_microbatch"
-    # Progressive layer dropping (needs model layer_norm="pre"): keep probability
-    # theta(t) = (1 - theta_bar) exp(-gamma t) + theta_bar, t = optimizer steps of the run;
-    # depth_rule "deepspeed" (the authors' code: the first layer is never dropped) or "paper".
-    config.layer_drop = ml_collections.ConfigDict(
-        {"enabled": False, "theta_bar": 0.5, "gamma": 0.001, "depth_rule": "deepspeed"}
-    )
-    # The standardization loss (Collins et al. 2019): weight lambda of L_std in the objective,
-    # for a model with model.overrides.normalization="none"; 0 = off. site: where it
-    # attaches, "residual" (the tensors the removed LayerNorms normalized) or
-    # "preactivation" (each FFN's intermediate output before GELU, as in the paper).
-    config.standardization_loss = ml_collections.ConfigDict({"weight": 0.0, "site": "residual"})
-    # A method that replaces the train step: the module that provides it (lambjax.train.method),
-    # e.g. "lambjax.contrib.ouroboros", which adds its own fields; "" = the core step.
-    config.step_method = ""
-    # The gradient noise scale B_simple (lambjax.train.noise_scale), logged as
-    # train/noise_scale: needs grad_accum_steps >= 2 in every phase. ema_decay: per step,
-    # of the averages of its numerator and denominator.
-    config.noise_scale = ml_collections.ConfigDict({"enabled": False, "ema_decay": 0.95})
-    # End the run at the first held-out evaluation whose metric reaches `value`
-    # (lambjax.train.target): "mlm_loss" at or below it, "mlm_accuracy" or "nsp_accuracy" at
-    # or above (MLPerf's BERT: mlm_accuracy 0.720); "" = every phase to its last step.
-    config.target = ml_collections.ConfigDict({"metric": "", "value": 0.0})
+    _method_fields(config)
     config.phases = ml_collections.ConfigDict()
     config.phase_order = ()
     config.log_every_steps = 10
