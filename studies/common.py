@@ -2,7 +2,18 @@
 
 import ml_collections
 
+from lambjax.sweep import spec
 from lambjax.train import config as config_lib
+
+STAGE2 = "stage2"  # the config argument's flag of a two-stage study: SIZE,stage2
+
+
+def staged_size(arg, sizes: dict) -> tuple[str, dict, bool]:
+    """(size, its settings, whether stage 2 is asked for) of a two-stage study's config
+    argument `SIZE[,stage2]` (spec.study_size for the size)."""
+    parts = [p for p in (arg or "").split(",") if p]
+    size, study = spec.study_size(",".join(p for p in parts if p != STAGE2), sizes)
+    return size, study, STAGE2 in parts
 
 
 def cpu_study_config(preset: str = "tiny") -> ml_collections.ConfigDict:

@@ -128,6 +128,21 @@ def reading_note(points: list[dict], seeds: int) -> str:
     return note
 
 
+def grid_extension(tried, best) -> tuple:
+    """The values a stage 2 adds to a grid of `tried` values (learning rates, multipliers)
+    by the studies' rule: one more step (x2 or /2) beyond the edge that `best`, the chosen
+    value, sits at; beyond both edges where nothing reached the target (`best` None);
+    nothing where the best lies inside the grid."""
+    tried = sorted(tried)
+    if best is None:
+        return (tried[0] / 2, tried[-1] * 2)
+    if len(tried) > 1 and best == tried[0]:
+        return (tried[0] / 2,)
+    if len(tried) > 1 and best == tried[-1]:
+        return (tried[-1] * 2,)
+    return ()
+
+
 def cumulative_times(log_steps: list[int], step_times: list[tuple[int, float]]) -> dict:
     """Log step -> training seconds up to it: each window's steps times its step time; a
     window without one (the first: compilation) at the next measured window's."""

@@ -144,11 +144,7 @@ SIZES["smoke"] = dict(
 
 
 def parse(arg) -> tuple[str, dict, bool]:
-    """(size, its settings, whether stage 2 is asked for) of `SIZE[,stage2]`."""
-    parts = [p for p in (arg or "").split(",") if p]
-    stage2 = "stage2" in parts
-    size, study = spec.study_size(",".join(p for p in parts if p != "stage2"), SIZES)
-    return size, study, stage2
+    return common.staged_size(arg, SIZES)
 
 
 def expected_steps(study: dict, batch_size: int) -> float:

@@ -39,6 +39,7 @@ from studies.curves import steps_to_target
 ARMS = ("sqrt rule", "tuned")
 STYLES = {"lamb": ("tab:blue", "o"), "lans": ("tab:green", "s"), "adamw": ("tab:red", "^")}
 NOISE = "train/noise_scale"
+BATCH_LABEL = "batch size (sequences)"
 
 
 def points(directory: str, trials: dict, target: float) -> list[dict]:
@@ -111,19 +112,15 @@ def stage2_settings(grid: list[dict], chosen: dict) -> tuple[dict, dict]:
         if arm != "tuned":
             continue
         for batch, p in sorted(by_batch.items()):
-            tried = sorted(
-                q["lr_x"] for q in grid if (q["optimizer"], q["batch"]) == (optimizer, batch)
-            )
             if not p["done"]:
                 continue
-            if p["steps"] is None:
-                extensions[(optimizer, batch)] = (tried[0] / 2, tried[-1] * 2)
-                continue
-            best[(optimizer, batch)] = p["lr_x"]
-            if len(tried) > 1 and p["lr_x"] == tried[0]:
-                extensions[(optimizer, batch)] = (tried[0] / 2,)
-            elif len(tried) > 1 and p["lr_x"] == tried[-1]:
-                extensions[(optimizer, batch)] = (tried[-1] * 2,)
+            tried = [q["lr_x"] for q in grid if (q["optimizer"], q["batch"]) == (optimizer, batch)]
+            reached = p["steps"] is not None
+            extension = curves.grid_extension(tried, p["lr_x"] if reached else None)
+            if extension:
+                extensions[(optimizer, batch)] = extension
+            if reached:
+                best[(optimizer, batch)] = p["lr_x"]
     return extensions, best
 
 
@@ -285,50 +282,51 @@ def fit_table(chosen: dict) -> str:
     return "\n".join(lines)
 
 
+LABELS = ("optimizer", "batch", "lr_x", "seed", "warmup")
+
+
+def tuned_points(chosen: dict):
+    """(optimizer, batch, point) of every tuned arm's choice, by optimizer and batch."""
+    for (optimizer, arm), by_batch in chosen.items():
+        if arm == "tuned":
+            for batch, point in sorted(by_batch.items()):
+                yield optimizer, batch, point
+
+
+def varied(every: list[dict], point: dict, label: str) -> list[dict]:
+    """The trials that differ from `point` in `label` alone (`point` among them), in that
+    label's order."""
+    same = [q for q in every if all(q.get(k) == point.get(k) for k in LABELS if k != label)]
+    return sorted(same, key=lambda q: q.get(label, 0))
+
+
 def seed_table(every: list[dict], chosen: dict) -> str:
     """Per tuned point with repeated seeds: each seed's steps, their mean and range."""
     lines = ["| optimizer | batch | steps by seed | mean (range) |", "|---|---|---|---|"]
-    for (optimizer, arm), by_batch in chosen.items():
-        if arm != "tuned":
+    for optimizer, b, p in tuned_points(chosen):
+        same = varied(every, p, "seed")
+        if len(same) < 2:
             continue
-        for b, p in sorted(by_batch.items()):
-            same = [
-                q
-                for q in every
-                if (q["optimizer"], q["batch"], q["lr_x"], q.get("warmup"))
-                == (optimizer, b, p["lr_x"], p.get("warmup"))
-            ]
-            if len(same) < 2:
-                continue
-            same.sort(key=lambda q: q["seed"])
-            cells = ", ".join(f"{q['seed']}: {q['steps'] or '-'}" for q in same)
-            reached = [q["steps"] for q in same if q["steps"]]
-            summary = (
-                f"{statistics.fmean(reached):.0f} ({min(reached)}-{max(reached)})"
-                if len(reached) == len(same)
-                else "-"
-            )
-            lines.append(f"| {optimizer} | {b} | {cells} | {summary} |")
+        cells = ", ".join(f"{q['seed']}: {q['steps'] or '-'}" for q in same)
+        reached = [q["steps"] for q in same if q["steps"]]
+        summary = (
+            f"{statistics.fmean(reached):.0f} ({min(reached)}-{max(reached)})"
+            if len(reached) == len(same)
+            else "-"
+        )
+        lines.append(f"| {optimizer} | {b} | {cells} | {summary} |")
     return "\n".join(lines) if len(lines) > 2 else ""
 
 
 def warmup_table(every: list[dict], chosen: dict) -> str:
+    """Per tuned point run with other warmups (seed 0): each warmup's steps."""
     lines = ["| optimizer | batch | steps by warmup |", "|---|---|---|"]
-    for (optimizer, arm), by_batch in chosen.items():
-        if arm != "tuned":
+    for optimizer, b, p in tuned_points(chosen):
+        same = varied(every, p, "warmup")
+        if len(same) < 2:
             continue
-        for b, p in sorted(by_batch.items()):
-            same = [
-                q
-                for q in every
-                if (q["optimizer"], q["batch"], q["lr_x"], q["seed"])
-                == (optimizer, b, p["lr_x"], 0)
-            ]
-            if len({q.get("warmup") for q in same}) < 2:
-                continue
-            same.sort(key=lambda q: q.get("warmup", 0))
-            cells = ", ".join(f"{q.get('warmup')}: {q['steps'] or '-'}" for q in same)
-            lines.append(f"| {optimizer} | {b} | {cells} |")
+        cells = ", ".join(f"{q.get('warmup')}: {q['steps'] or '-'}" for q in same)
+        lines.append(f"| {optimizer} | {b} | {cells} |")
     return "\n".join(lines) if len(lines) > 2 else ""
 
 
@@ -351,16 +349,6 @@ def plot_arm(axis, optimizer: str, arm: str, xs, ys) -> None:
         markerfacecolor=color if arm == "tuned" else "white",
         label=f"{optimizer}, {arm}",
     )
-
-
-def finish(figure, axis, ylabel: str, title: str, directory: str, name: str):
-    """Labels, legend and grid; the figure saved as `name`."""
-    axis.set_ylabel(ylabel)
-    axis.set_title(title)
-    axis.legend(fontsize="small")
-    axis.grid(True, which="both", alpha=0.3)
-    figure.tight_layout()
-    plots.save(figure, directory, name)
 
 
 def plot_steps(directory, chosen, batch_sizes, budgets, target) -> None:
@@ -390,12 +378,18 @@ def plot_steps(directory, chosen, batch_sizes, budgets, target) -> None:
             curve = [s_min * (1 + b_crit / b) for b in batch_sizes]
             axis.plot(batch_sizes, curve, ":", color=color, alpha=0.6)
     batch_axis(axis, batch_sizes)
-    axis.set_xlabel("batch size (sequences)")
     axis.set_yscale("log", base=2)
     axis.yaxis.set_major_formatter(plt.FuncFormatter(lambda y, _: f"{y:g}"))
-    title = "Steps to target (x: not within the budget; dotted: S(B) fits)"
-    ylabel = f"steps to eval MLM loss <= {target}"
-    finish(figure, axis, ylabel, title, directory, "steps_to_target.png")
+    plots.finish(
+        figure,
+        axis,
+        directory,
+        "steps_to_target.png",
+        xlabel=BATCH_LABEL,
+        ylabel=f"steps to eval MLM loss <= {target}",
+        title="Steps to target (x: not within the budget; dotted: S(B) fits)",
+        minor_grid=True,
+    )
 
 
 def plot_learning_rates(directory, chosen, batch_sizes) -> None:
@@ -404,10 +398,17 @@ def plot_learning_rates(directory, chosen, batch_sizes) -> None:
         xs = [b for b in batch_sizes if b in by_batch]
         plot_arm(axis, optimizer, arm, xs, [by_batch[b]["learning_rate"] for b in xs])
     batch_axis(axis, batch_sizes)
-    axis.set_xlabel("batch size (sequences)")
     axis.set_yscale("log")
-    title = "Learning rate each arm used (sqrt rule: slope 1/2)"
-    finish(figure, axis, "peak learning rate", title, directory, "learning_rates.png")
+    plots.finish(
+        figure,
+        axis,
+        directory,
+        "learning_rates.png",
+        xlabel=BATCH_LABEL,
+        ylabel="peak learning rate",
+        title="Learning rate each arm used (sqrt rule: slope 1/2)",
+        minor_grid=True,
+    )
 
 
 def plot_noise(directory, chosen) -> None:
@@ -425,7 +426,14 @@ def plot_noise(directory, chosen) -> None:
             ys += [v for _, v in pairs if math.isfinite(v) and v > 0]
         axis.plot(xs, ys, marker, color=color, alpha=0.5, linestyle="", label=optimizer)
     axis.invert_xaxis()
-    axis.set_xlabel("eval MLM loss (training goes right)")
     axis.set_yscale("log")
-    title = "Gradient noise scale B_simple during the tuned trials"
-    finish(figure, axis, "B_simple (sequences)", title, directory, "noise_scale.png")
+    plots.finish(
+        figure,
+        axis,
+        directory,
+        "noise_scale.png",
+        xlabel="eval MLM loss (training goes right)",
+        ylabel="B_simple (sequences)",
+        title="Gradient noise scale B_simple during the tuned trials",
+        minor_grid=True,
+    )

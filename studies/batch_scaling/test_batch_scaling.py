@@ -138,6 +138,25 @@ def test_stage_two_follows_the_rule_from_stage_ones_grid():
     assert best == {("lamb", 32): 0.5, ("lamb", 64): 1.0}
 
 
+def test_seeds_and_warmups_are_read_at_each_tuned_point():
+    every = [
+        point("lamb", 32, 1.0, 30, 5.0),
+        point("lamb", 32, 1.0, 34, 5.0, seed=1),
+        point("lamb", 32, 1.0, 28, 5.0, seed=2),
+        point("lamb", 32, 1.0, 40, 5.0, warmup=60),
+        point("lamb", 32, 1.0, 26, 5.0, warmup=10),
+        point("lamb", 32, 2.0, 50, 5.0, seed=1),  # another rate's seed: not this point's
+        point("lamb", 64, 1.0, 20, 5.0),  # no repeats: no row
+    ]
+    chosen = batch_scaling.arms(
+        [p for p in every if p["seed"] == 0 and p["warmup"] == 25], [32, 64], warmup=25
+    )
+    seeds = batch_scaling.seed_table(every, chosen)
+    assert seeds.splitlines()[2:] == ["| lamb | 32 | 0: 30, 1: 34, 2: 28 | 31 (28-34) |"]
+    warmups = batch_scaling.warmup_table(every, chosen)
+    assert warmups.splitlines()[2:] == ["| lamb | 32 | 10: 26, 25: 30, 60: 40 |"]
+
+
 def test_the_fit_recovers_a_known_critical_batch():
     by_batch = {
         b: point("lamb", b, 1.0, round(100 * (1 + 200 / b)), 5.0) for b in (32, 64, 128, 256)

@@ -282,13 +282,15 @@ def plot_training(directory: str, records: list[dict]) -> None:
         style = "-" if r["seed"] == 0 else ":"
         label = f"{r['accumulation']} (seed {r['seed']})"
         axis.plot(steps, losses, style, marker=marker, color=color, label=label)
-    axis.set_xlabel("step")
-    axis.set_ylabel("held-out MLM loss")
-    axis.set_title("8-bit operands: naive accumulation against chunks of 64")
-    axis.legend(fontsize="small")
-    axis.grid(True, alpha=0.3)
-    figure.tight_layout()
-    plots.save(figure, directory, "training_curves.png")
+    plots.finish(
+        figure,
+        axis,
+        directory,
+        "training_curves.png",
+        xlabel="step",
+        ylabel="held-out MLM loss",
+        title="8-bit operands: naive accumulation against chunks of 64",
+    )
 
 
 def plot_vrr(directory: str, rows: list[dict], settings: dict) -> None:
@@ -303,11 +305,13 @@ def plot_vrr(directory: str, rows: list[dict], settings: dict) -> None:
         axis.plot(widths, measured, "o", color=color, label=f"{label}, measured")
         axis.plot(widths, predicted, "-", color=color, label=f"{label}, predicted")
     axis.axhline(1.0, color="gray", linewidth=0.8)
-    axis.set_xlabel("accumulator mantissa bits (e6mM)")
-    axis.set_ylabel("variance retention ratio")
-    axis.set_title(f"Sums of {settings['length']:,} N(0, 1) terms")
     axis.set_ylim(0, max(1.1, math.ceil(max(r["chunked_measured"] for r in rows) * 10) / 10))
-    axis.legend(fontsize="small")
-    axis.grid(True, alpha=0.3)
-    figure.tight_layout()
-    plots.save(figure, directory, "variance_retention.png")
+    plots.finish(
+        figure,
+        axis,
+        directory,
+        "variance_retention.png",
+        xlabel="accumulator mantissa bits (e6mM)",
+        ylabel="variance retention ratio",
+        title=f"Sums of {settings['length']:,} N(0, 1) terms",
+    )

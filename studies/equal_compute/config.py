@@ -48,6 +48,15 @@ ARMS = ("postln", "preln", "pld", "mslt")
 THETA_BAR = 0.5  # DeepSpeed's default and recommendation
 PLD_GAMMA_TIMES_T = 100.0  # gamma = 100 / T, the heuristic lambjax's `pld` variant uses
 MSLT_STAGE_SHARE = 0.5  # of the baseline's cap, in steps, split equally over the stages
+# Every arm's 4 rates, x2 apart, at both sizes: PostLN's (and MSLT's, PostLN in stages)
+# around the pilot's 1e-3, PreLN's (alone and with PLD) one step higher, where the paper
+# says PreLN trains.
+LEARNING_RATES = dict(
+    postln=(2.5e-4, 5e-4, 1e-3, 2e-3),
+    preln=(5e-4, 1e-3, 2e-3, 4e-3),
+    pld=(5e-4, 1e-3, 2e-3, 4e-3),
+    mslt=(2.5e-4, 5e-4, 1e-3, 2e-3),
+)
 
 SIZES = {
     # BERT L12 H128 A2 I512 (layers unrolled, bfloat16 compute), PostLN or PreLN, on the
@@ -79,12 +88,7 @@ SIZES = {
         # A resolution of 25 steps: 3.6% of the pilot's 700.
         eval_every_steps=25,
         log_every_steps=25,
-        learning_rates=dict(
-            postln=(2.5e-4, 5e-4, 1e-3, 2e-3),
-            preln=(5e-4, 1e-3, 2e-3, 4e-3),
-            pld=(5e-4, 1e-3, 2e-3, 4e-3),
-            mslt=(2.5e-4, 5e-4, 1e-3, 2e-3),
-        ),
+        learning_rates=LEARNING_RATES,
         seeds=(1, 2),
         # Stage 2, fixed from stage 1's report before it runs: arm -> further rates where
         # the best sat at an edge, and arm -> its best rate (rerun with `seeds`).
@@ -115,12 +119,7 @@ SIZES = {
         warmup_steps=2000,
         eval_every_steps=1000,
         log_every_steps=100,
-        learning_rates=dict(
-            postln=(2.5e-4, 5e-4, 1e-3, 2e-3),
-            preln=(5e-4, 1e-3, 2e-3, 4e-3),
-            pld=(5e-4, 1e-3, 2e-3, 4e-3),
-            mslt=(2.5e-4, 5e-4, 1e-3, 2e-3),
-        ),
+        learning_rates=LEARNING_RATES,
         seeds=(1, 2),
         extensions={},
         best={},
@@ -147,10 +146,7 @@ SIZES["smoke"] = dict(
 
 
 def parse(arg) -> tuple[str, dict, bool]:
-    """(size, its settings, whether stage 2 is asked for) of `SIZE[,stage2]`."""
-    parts = [p for p in (arg or "").split(",") if p]
-    size, study = spec.study_size(",".join(p for p in parts if p != "stage2"), SIZES)
-    return size, study, "stage2" in parts
+    return common.staged_size(arg, SIZES)
 
 
 def bert(study: dict) -> model_config.BertConfig:
@@ -184,11 +180,14 @@ def budget_flops(study: dict) -> float:
 
 def pld_cap(study: dict) -> int:
     """PLD's steps within the baseline's FLOPs (its layers run as expected)."""
+    heads = step_flops(study, 0)
+    layer = step_flops(study, 1) - heads
     budget, spent, steps = budget_flops(study), 0.0, 0
-    while spent + step_flops(study, pld_layers(study, steps)) <= budget:
-        spent += step_flops(study, pld_layers(study, steps))
-        steps += 1
-    return steps
+    while True:
+        cost = heads + pld_layers(study, steps) * layer
+        if spent + cost > budget:
+            return steps
+        spent, steps = spent + cost, steps + 1
 
 
 def mslt_steps(study: dict) -> tuple[int, int]:
@@ -267,14 +266,12 @@ def arm_overrides(arm: str, learning_rate: float, config) -> dict:
             "phases.baseline.learning_rate": learning_rate,
         }
     if arm == "pld":
-        steps = config.phases.pld.num_steps
         return {
             "model.overrides.layer_norm": "pre",
             "layer_drop.enabled": True,
             "layer_drop.gamma": PLD_GAMMA_TIMES_T / config.phases.baseline.num_steps,
             "phase_order": ("pld",),
             "phases.pld.learning_rate": learning_rate,
-            "phases.pld.num_steps": steps,
         }
     stages = [name for name in config.phases if name.startswith("phase1_stage")]
     return {

@@ -128,16 +128,15 @@ def stage2_settings(every: list[dict]) -> tuple[dict, dict]:
         grid = [p for p in every if p["arm"] == arm and p["seed"] == 0]
         if not grid or not all(p["status"] == "finished" for p in grid):
             continue
-        rates = sorted(p["lr"] for p in grid)
         chosen_point = min(grid, key=rank)
-        if not math.isfinite(chosen_point["flops"]):
-            extensions[arm] = (rates[0] / 2, rates[-1] * 2)
-            continue
-        best[arm] = chosen_point["lr"]
-        if len(rates) > 1 and chosen_point["lr"] == rates[0]:
-            extensions[arm] = (rates[0] / 2,)
-        elif len(rates) > 1 and chosen_point["lr"] == rates[-1]:
-            extensions[arm] = (rates[-1] * 2,)
+        reached = math.isfinite(chosen_point["flops"])
+        extension = curves.grid_extension(
+            [p["lr"] for p in grid], chosen_point["lr"] if reached else None
+        )
+        if extension:
+            extensions[arm] = extension
+        if reached:
+            best[arm] = chosen_point["lr"]
     return extensions, best
 
 
@@ -267,13 +266,15 @@ def plot_curves(directory: str, arms: dict, study: dict, target: float) -> None:
             label = f"{NAMES[arm]}, lr {p['lr']:g}" if p["seed"] == runs[0]["seed"] else None
             axis.plot(xs, [v for _, v in p["curve"]], color=COLORS[arm], alpha=0.8, label=label)
     axis.axhline(target, color="black", linestyle="--", label=f"target {target}")
-    axis.set_xlabel("model FLOPs (fraction of the budget)")
-    axis.set_ylabel("held-out MLM loss")
-    axis.set_title("Held-out loss against compute, each arm at its best rate")
-    axis.legend(fontsize="small")
-    axis.grid(True, alpha=0.3)
-    figure.tight_layout()
-    plots.save(figure, directory, "equal_compute_loss_vs_flops.png")
+    plots.finish(
+        figure,
+        axis,
+        directory,
+        "equal_compute_loss_vs_flops.png",
+        xlabel="model FLOPs (fraction of the budget)",
+        ylabel="held-out MLM loss",
+        title="Held-out loss against compute, each arm at its best rate",
+    )
 
 
 def plot_learning_rates(directory: str, every: list[dict]) -> None:
@@ -293,10 +294,13 @@ def plot_learning_rates(directory: str, every: list[dict]) -> None:
         missed = [p for p in grid if not math.isfinite(p["flops"]) and p["curve"]]
         axis.plot([p["lr"] for p in missed], [1.0] * len(missed), "x", color=COLORS[arm])
     axis.set_xscale("log")
-    axis.set_xlabel("peak learning rate")
-    axis.set_ylabel("FLOPs to target (fraction of the budget; x: missed)")
-    axis.set_title("Learning-rate grids")
-    axis.legend(fontsize="small")
-    axis.grid(True, which="both", alpha=0.3)
-    figure.tight_layout()
-    plots.save(figure, directory, "equal_compute_learning_rates.png")
+    plots.finish(
+        figure,
+        axis,
+        directory,
+        "equal_compute_learning_rates.png",
+        xlabel="peak learning rate",
+        ylabel="FLOPs to target (fraction of the budget; x: missed)",
+        title="Learning-rate grids",
+        minor_grid=True,
+    )

@@ -13,6 +13,7 @@ from lambjax import cli
 from lambjax.sweep import report as sweep_report
 from lambjax.sweep import spec
 from lambjax.train import plan, throughput
+from lambjax.train.layer_drop import LayerDrop
 from studies.equal_compute import report as equal_compute
 from studies.testing import curve_records, write_sweep
 from tests.helpers import REPO
@@ -76,9 +77,15 @@ def test_the_step_flops_are_lambjaxs_own_count():
     assert module.step_flops(study, 12, frozen=6) == throughput.train_step_flops(
         model, *args, num_frozen_layers=6
     )
-    # theta from 1 to theta_bar: all 12 layers at step 0, 12 - 0.5 * 11 / 2 at the end.
+    # theta from 1 to theta_bar: all 12 layers at step 0, 12 - 0.5 * 11 / 2 at the end, and
+    # at every step the sum of the train step's own keep probabilities (lambjax's LayerDrop).
     assert module.pld_layers(study, 0) == 12
     assert module.pld_layers(study, 10**6) == pytest.approx(12 - 0.5 * 11 / 2)
+    gamma = module.PLD_GAMMA_TIMES_T / study["budget_steps"]
+    drop = LayerDrop(theta_bar=module.THETA_BAR, gamma=gamma, depth_rule="deepspeed")
+    for step in (1, 10, 100, 1000):
+        expected = float(drop.keep_probabilities(step, study["num_layers"]).sum())
+        assert module.pld_layers(study, step) == pytest.approx(expected, rel=1e-6)
 
 
 def test_stage_two_adds_the_extensions_and_the_best_rates_seeds():

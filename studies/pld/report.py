@@ -267,13 +267,15 @@ def plot_curves(directory: str, chosen: list, target: float, gammas: list[str]) 
                 label=label if "at that lr" in label else f"{label} ({p['lr']:g})",
             )
         axis.axhline(target, color="gray", linestyle=":", label=f"target {target:.3f}")
-        axis.set_xlabel("training time (s)" if by_time else "step")
-        axis.set_ylabel("held-out MLM loss")
-        axis.set_title(f"Held-out MLM loss against {'training time' if by_time else 'steps'}")
-        axis.legend(fontsize="small")
-        axis.grid(True, alpha=0.3)
-        figure.tight_layout()
-        plots.save(figure, directory, f"pld_loss_vs_{'time' if by_time else 'steps'}.png")
+        plots.finish(
+            figure,
+            axis,
+            directory,
+            f"pld_loss_vs_{'time' if by_time else 'steps'}.png",
+            xlabel="training time (s)" if by_time else "step",
+            ylabel="held-out MLM loss",
+            title=f"Held-out MLM loss against {'training time' if by_time else 'steps'}",
+        )
 
 
 def plot_learning_rates(directory: str, grid: list[dict], gammas: list[str]) -> None:
@@ -291,13 +293,16 @@ def plot_learning_rates(directory: str, grid: list[dict], gammas: list[str]) -> 
             label=arm_name(arm, gamma),
         )
     axis.set_xscale("log", base=2)
-    axis.set_xlabel("peak learning rate")
-    axis.set_ylabel("best held-out MLM loss")
-    axis.set_title("Best held-out loss against the learning rate")
-    axis.legend(fontsize="small")
-    axis.grid(True, which="both", alpha=0.3)
-    figure.tight_layout()
-    plots.save(figure, directory, "pld_learning_rates.png")
+    plots.finish(
+        figure,
+        axis,
+        directory,
+        "pld_learning_rates.png",
+        xlabel="peak learning rate",
+        ylabel="best held-out MLM loss",
+        title="Best held-out loss against the learning rate",
+        minor_grid=True,
+    )
 
 
 def arm_name(arm: str, gamma: str | None) -> str:
