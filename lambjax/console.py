@@ -19,6 +19,7 @@ import logging.handlers
 import os
 import sys
 import tempfile
+import traceback
 
 from absl import flags
 from absl import logging as absl_logging
@@ -85,12 +86,26 @@ def console_filter(record: std_logging.LogRecord) -> bool:
         return False
     if _NOISY_PATH in record.pathname:
         return False
-    if record.exc_info and _EXPLAINED_PATH in record.pathname:
-        return False
+    if record.exc_info and (
+        _EXPLAINED_PATH in record.pathname or _raised_in(record.exc_info, _EXPLAINED_PATH)
+    ):
+        return False  # also asyncio's "Task exception was never retrieved" on Orbax's writes
     if any(record.name == n or record.name.startswith(n + ".") for n in _NOISY_LOGGERS):
         return False
     message = record.getMessage()
     return not any(noise in message for noise in _NOISY_MESSAGES)
+
+
+def _raised_in(exc_info, path: str) -> bool:
+    """Whether the exception (or one it was raised from) passed through code under `path`."""
+    error = exc_info[1] if isinstance(exc_info, tuple) else None
+    seen = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        if any(path in frame.filename for frame in traceback.extract_tb(error.__traceback__)):
+            return True
+        error = error.__cause__ or error.__context__
+    return False
 
 
 class _Setup:

@@ -3,6 +3,7 @@
 import logging
 import os
 import re
+import sys
 
 import pytest
 from absl import logging as absl_logging
@@ -41,6 +42,28 @@ def record(message, level=logging.INFO, pathname=LAMBJAX, name="absl"):
     ],
 )
 def test_the_console_shows_lambjax_and_real_warnings(entry, shown):
+    assert console.console_filter(entry) is shown
+
+
+def raised_in(filename):
+    """The exc_info of an error raised by code that `filename` holds."""
+    namespace = {}
+    exec(
+        compile("def fail():\n    raise ValueError('RESOURCE_EXHAUSTED')\n", filename, "exec"),
+        namespace,
+    )
+    try:
+        namespace["fail"]()
+    except ValueError:
+        return sys.exc_info()
+
+
+@pytest.mark.parametrize(("filename", "shown"), [(f"{SITE}/orbax/x.py", False), (LAMBJAX, True)])
+def test_an_error_that_orbax_raised_and_asyncio_logs_stays_off_the_console(filename, shown):
+    """A failed save's writes still pending as asyncio tasks: asyncio logs each one's error
+    as the task is collected, after lambjax's line said the save failed."""
+    entry = record("Task exception was never retrieved", logging.ERROR, f"{SITE}/asyncio/b.py")
+    entry.name, entry.exc_info = "asyncio", raised_in(filename)
     assert console.console_filter(entry) is shown
 
 

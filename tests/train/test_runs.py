@@ -14,7 +14,9 @@ import signal
 import subprocess
 import sys
 
+import numpy as np
 import pytest
+import tensorstore as ts
 
 from lambjax import cli
 from lambjax.sweep import runner, spec
@@ -254,25 +256,26 @@ def test_corrupt_latest_checkpoint_falls_back_to_the_previous(reference, data_di
     assert {s: logged[s] for s in logged} == {s: expected[s] for s in logged}
 
 
-ZSTD_FRAME = b"\x28\xb5\x2f\xfd"  # the magic number that starts every zstd frame
-
-
-def flip_bytes_in_largest_data_file(state_dir: str, count: int = 64) -> None:
-    """Inverts `count` bytes in the middle of the largest compressed value (zstd frame) of a
-    checkpoint's largest data file: weights do not compress, so zstd keeps them as raw
-    blocks, and the file still decodes, to other numbers. (Bytes flipped across a frame's
-    start make the read itself fail instead, which the corrupt-checkpoint test covers.)"""
-    paths = [os.path.join(d, f) for d, _, files in os.walk(state_dir) for f in files]
-    path = max((p for p in paths if os.sep + "d" + os.sep in p), key=os.path.getsize)
-    with open(path, "r+b") as f:
-        data = bytearray(f.read())
-        starts = [m.start() for m in re.finditer(re.escape(ZSTD_FRAME), bytes(data))]
-        frames = zip(starts, [*starts[1:], len(data)], strict=True)
-        first, end = max(frames, key=lambda frame: frame[1] - frame[0])
-        middle = (first + end) // 2
-        data[middle : middle + count] = bytes(b ^ 0xFF for b in data[middle : middle + count])
-        f.seek(0)
-        f.write(data)
+def flip_bytes_in_largest_array(state_dir: str, count: int = 64) -> None:
+    """Inverts `count` bytes in the middle of a checkpoint's largest array, rewritten in
+    place through tensorstore: the checkpoint still opens and decodes, to other numbers.
+    (Bytes flipped in the compressed file itself make zstd's decoding fail instead, which
+    the corrupt-checkpoint test covers.)"""
+    store = {"driver": "ocdbt", "base": f"file://{state_dir}/"}
+    keys = [key.decode() for key in ts.KvStore.open(store).result().list().result()]
+    drivers = {".zarray": "zarr", "zarr.json": "zarr3"}
+    arrays = [
+        ts.open({"driver": drivers[meta], "kvstore": {**store, "path": key[: -len(meta)]}}).result()
+        for key in keys
+        for meta in drivers
+        if key.endswith("/" + meta)
+    ]
+    array = max(arrays, key=lambda array: array.size)
+    values = np.array(array.read().result())
+    flat = values.reshape(-1).view(np.uint8)
+    middle = flat.size // 2
+    flat[middle : middle + count] ^= 0xFF
+    array.write(values).result()
 
 
 @pytest.mark.slow
@@ -285,7 +288,7 @@ def test_flipped_bytes_in_the_final_checkpoint_are_refused_by_export_and_resume(
     workdir = str(tmp_path / "run")
     shutil.copytree(reference, workdir)
     final = os.path.join(workdir, "checkpoints", "phase2", str(PHASE2_STEPS))
-    flip_bytes_in_largest_data_file(os.path.join(final, "state"))
+    flip_bytes_in_largest_array(os.path.join(final, "state"))
     export = [sys.executable, "-m", "lambjax.export", f"--workdir={workdir}", "--out=exported"]
     result = subprocess.run(
         export, cwd=tmp_path, env=environment(1), capture_output=True, text=True
