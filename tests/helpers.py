@@ -1,5 +1,6 @@
-"""What several test modules share: a random pretraining batch, a FLOP count of traced
-matmuls, and running lambjax's commands as subprocesses, as a user starts them."""
+"""What several test modules share: a checkpoint whose values changed, a random pretraining
+batch, a FLOP count of traced matmuls, and running lambjax's commands as subprocesses, as a
+user starts them."""
 
 import json
 import os
@@ -14,6 +15,34 @@ from lambjax.train.metrics import read_jsonl
 
 REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
 COMPILATION_CACHE = os.path.join(REPO, ".pytest_cache", "jax-compilation-cache")
+
+
+# ----------------------------------------------------------------------------------------
+# Checkpoints
+
+
+def flip_bytes_in_largest_array(state_dir: str, count: int = 64) -> None:
+    """Inverts `count` bytes in the middle of the largest array of a checkpoint's state
+    (`state_dir`), rewritten in place through tensorstore: the checkpoint still opens and
+    decodes, to other numbers, which only the digests recorded at the save can catch. (Bytes
+    flipped in a data file itself mostly make zstd's decoding fail: the weights compress.)"""
+    import tensorstore as ts
+
+    store = {"driver": "ocdbt", "base": f"file://{state_dir}/"}
+    keys = [key.decode() for key in ts.KvStore.open(store).result().list().result()]
+    drivers = {".zarray": "zarr", "zarr.json": "zarr3"}
+    arrays = [
+        ts.open({"driver": drivers[meta], "kvstore": {**store, "path": key[: -len(meta)]}}).result()
+        for key in keys
+        for meta in drivers
+        if key.endswith("/" + meta)
+    ]
+    array = max(arrays, key=lambda array: array.size)
+    values = np.array(array.read().result())
+    flat = values.reshape(-1).view(np.uint8)
+    middle = flat.size // 2
+    flat[middle : middle + count] ^= 0xFF
+    array.write(values).result()
 
 
 # ----------------------------------------------------------------------------------------

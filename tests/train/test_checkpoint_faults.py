@@ -1,11 +1,11 @@
 """Checkpoints under faults, through lambjax.train.checkpointing's public API on small states:
-flipped bytes in a data file (the digests recorded at the save catch them: the restore falls
-back, the export and fine-tuning refuse the checkpoint), a checkpoint of an earlier lambjax
-without digests, and a save that fails (a full disk: injected where Orbax writes, and on a
-small tmpfs where the tests run as root). End-to-end runs: tests/train/test_runs.py."""
+flipped bytes in an array's stored values (the digests recorded at the save catch them: the
+restore falls back, the export and fine-tuning refuse the checkpoint), a checkpoint of an
+earlier lambjax without digests, and a save that fails (a full disk: injected where Orbax
+writes, and on a small tmpfs where the tests run as root). End-to-end runs:
+tests/train/test_runs.py."""
 
 import errno
-import glob
 import json
 import logging
 import os
@@ -20,6 +20,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from lambjax.train import checkpointing, integrity
+from tests.helpers import flip_bytes_in_largest_array
 
 
 def mesh(devices: int) -> Mesh:
@@ -61,19 +62,9 @@ def save_two(workdir: str, async_save: bool = True) -> dict:
     return saved
 
 
-def flip_bytes(workdir: str, step: int, count: int = 4096) -> str:
-    """Inverts `count` bytes in the middle of the largest data file of checkpoint `step`'s
-    state (a file that still decodes, to other numbers)."""
-    pattern = os.path.join(workdir, "checkpoints", "phase1", str(step), "state", "**", "d", "*")
-    path = max(glob.glob(pattern, recursive=True), key=os.path.getsize)
-    with open(path, "r+b") as f:
-        data = bytearray(f.read())
-        middle = len(data) // 2
-        count = min(count, len(data) // 4)
-        data[middle : middle + count] = bytes(b ^ 0xFF for b in data[middle : middle + count])
-        f.seek(0)
-        f.write(data)
-    return path
+def flip_bytes(workdir: str, step: int) -> None:
+    """Inverts bytes of the largest array of checkpoint `step`'s state, which still decodes."""
+    flip_bytes_in_largest_array(os.path.join(workdir, "checkpoints", "phase1", str(step), "state"))
 
 
 def lines(caplog, text: str) -> list[str]:

@@ -14,9 +14,7 @@ import signal
 import subprocess
 import sys
 
-import numpy as np
 import pytest
-import tensorstore as ts
 
 from lambjax import cli
 from lambjax.sweep import runner, spec
@@ -27,6 +25,7 @@ from tests.helpers import (
     PHASE2_STEPS,
     REPO,
     environment,
+    flip_bytes_in_largest_array,
     logged_steps,
     losses,
     tensorboard_scalars,
@@ -254,28 +253,6 @@ def test_corrupt_latest_checkpoint_falls_back_to_the_previous(reference, data_di
     assert min(logged) == 9  # resumed after the step-8 checkpoint
     expected = losses(reference)
     assert {s: logged[s] for s in logged} == {s: expected[s] for s in logged}
-
-
-def flip_bytes_in_largest_array(state_dir: str, count: int = 64) -> None:
-    """Inverts `count` bytes in the middle of a checkpoint's largest array, rewritten in
-    place through tensorstore: the checkpoint still opens and decodes, to other numbers.
-    (Bytes flipped in the compressed file itself make zstd's decoding fail instead, which
-    the corrupt-checkpoint test covers.)"""
-    store = {"driver": "ocdbt", "base": f"file://{state_dir}/"}
-    keys = [key.decode() for key in ts.KvStore.open(store).result().list().result()]
-    drivers = {".zarray": "zarr", "zarr.json": "zarr3"}
-    arrays = [
-        ts.open({"driver": drivers[meta], "kvstore": {**store, "path": key[: -len(meta)]}}).result()
-        for key in keys
-        for meta in drivers
-        if key.endswith("/" + meta)
-    ]
-    array = max(arrays, key=lambda array: array.size)
-    values = np.array(array.read().result())
-    flat = values.reshape(-1).view(np.uint8)
-    middle = flat.size // 2
-    flat[middle : middle + count] ^= 0xFF
-    array.write(values).result()
 
 
 @pytest.mark.slow
