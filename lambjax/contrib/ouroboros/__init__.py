@@ -14,7 +14,8 @@ which `configure(config)` sets, adding its fields:
                                learning-rate warm-up applies either way).
 
 The variant `ouroboros` (`variant`) picks the paper's Figure 2 layout. The step is in
-lambjax.contrib.ouroboros.step, the model's split and each stage's computations in
+lambjax.contrib.ouroboros.step, its delayed gradients on the mesh in
+lambjax.contrib.ouroboros.delayed, the model's split and each stage's computations in
 lambjax.contrib.ouroboros.stages.
 """
 

@@ -19,7 +19,7 @@ fold_in(layers key, i)), so the modules chained reproduce the model's own forwar
                    a module's forward again, its output gradient pulled back through it
 
 When each stage runs, on which batch and with which weights is the training step's
-(lambjax.contrib.ouroboros.step).
+(lambjax.contrib.ouroboros.delayed).
 """
 
 import dataclasses
