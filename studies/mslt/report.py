@@ -217,10 +217,12 @@ def plot_curves(directory: str, chosen: list[dict], target: float) -> None:
                 label=f"{NAMES.get(p['arm'], p['arm'])} ({p['lr']:g})",
             )
         axis.axhline(target, color="gray", linestyle=":", label=f"target {target:.3f}")
-        axis.set_xlabel("training time (s)" if by_time else "step")
-        axis.set_ylabel("held-out MLM loss")
-        axis.set_title(f"Held-out MLM loss against {'training time' if by_time else 'steps'}")
-        axis.legend(fontsize="small")
-        axis.grid(True, alpha=0.3)
-        figure.tight_layout()
-        plots.save(figure, directory, f"mslt_loss_vs_{'time' if by_time else 'steps'}.png")
+        plots.finish(
+            figure,
+            axis,
+            directory,
+            f"mslt_loss_vs_{'time' if by_time else 'steps'}.png",
+            xlabel="training time (s)" if by_time else "step",
+            ylabel="held-out MLM loss",
+            title=f"Held-out MLM loss against {'training time' if by_time else 'steps'}",
+        )
