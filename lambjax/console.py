@@ -98,8 +98,7 @@ def console_filter(record: std_logging.LogRecord) -> bool:
 
 def _raised_in(exc_info, path: str) -> bool:
     """Whether the exception (or one it was raised from) passed through code under `path`."""
-    error = exc_info[1] if isinstance(exc_info, tuple) else None
-    seen = set()
+    error, seen = exc_info[1], set()
     while error is not None and id(error) not in seen:
         seen.add(id(error))
         if any(path in frame.filename for frame in traceback.extract_tb(error.__traceback__)):
