@@ -8,8 +8,9 @@ lambjax.contrib.ouroboros.stages; this module applies the update.
 The gradients go through the recipe's optimizer unchanged; a module without a gradient yet
 (module k in a phase's first K - k delayed steps) keeps its weights and moments.
 
-The stages' computations on the mesh, and what they carry from one step to the next, are in
-lambjax.contrib.ouroboros.delayed.
+The stages' computations on the mesh, and the layout of what they carry from one step to the
+next, are in lambjax.contrib.ouroboros.delayed; this module creates those buffers empty
+(`init_buffers`, `buffer_shardings`) and records each step's weights for the stale replays.
 """
 
 import dataclasses
