@@ -12,8 +12,9 @@ parsing, with a traceback).
 (`lambjax.main`, `lambjax.finetune`) share: the config, the workdir and the distributed
 flags; then the console (lambjax.console), CPU memory settings and JAX's distributed runtime.
 
-Importing this module quiets TensorFlow's start-up logs (TensorFlow serves the metric
-writers and TFDS, no computation of lambjax; it is imported later, by those).
+Importing this module quiets TensorFlow's start-up logs, for the commands that import it
+(reading Google's original TensorFlow checkpoints, `tf:DIR`, and TFDS's dataset builds); a
+pretraining or fine-tuning run itself never does.
 """
 
 import difflib

@@ -3,10 +3,10 @@
 Every path lambjax reads or writes (workdir, data_dir, vocabulary, text globs, exports) goes
 through etils `epath` on its fsspec backend, which serves gs:// with gcsfs. Why that layer:
 Orbax and TFDS already do their directory work through epath, so one layer covers lambjax and
-them; but epath hands gs:// to TensorFlow's gfile whenever TensorFlow is installed (it is:
-clu's TensorBoard writer needs it), and TensorFlow's GCS client has its endpoints compiled in
-(`https://www.googleapis.com/storage/v1/`, no override; see `strings` of
-libtensorflow_framework.so), so it can be pointed at no emulator. gcsfs is a maintained GCS
+them; but epath hands gs:// to TensorFlow's gfile whenever TensorFlow is installed (it is, for
+Google's TensorFlow checkpoints and TFDS's builds), and TensorFlow's GCS client has its
+endpoints compiled in (`https://www.googleapis.com/storage/v1/`, no override; see `strings`
+of libtensorflow_framework.so), so it can be pointed at no emulator. gcsfs is a maintained GCS
 client that uses Google's default credentials and honours `STORAGE_EMULATOR_HOST`;
 `EPATH_USE_TF=false` (set below, before any gs:// access) makes epath use it.
 
@@ -20,8 +20,8 @@ library reads:
   `GOOGLE_AUTH_TOKEN_FOR_TESTING` (tensorstore's documented test token; emulators ignore it);
 - google-cloud-cpp inside ArrayRecord (grain's reader of the datasets):
   `CLOUD_STORAGE_EMULATOR_ENDPOINT`;
-- TensorFlow (TensorBoard event files, profiler traces) reads nothing: what it writes for a
-  gs:// workdir goes to a local folder that `Mirror` copies into the bucket.
+- the TensorBoard event files and the profiler's traces read nothing: for a gs:// workdir
+  they are written to a local folder that `Mirror` copies into the bucket.
 
 Against a real bucket (no STORAGE_EMULATOR_HOST) gcsfs uses its default class,
 `ExtendedGcsFileSystem`, which the emulator tests do not run: it first asks the Storage Control

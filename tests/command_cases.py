@@ -3,7 +3,7 @@
   python tests/command_cases.py CASES.json OUT_DIR
 
 CASES.json is a list of [MODULE, [ARG, ...]]. The process imports what lambjax's commands
-import (JAX, TensorFlow, Orbax, TFDS, ...) once, then forks a child per case that runs
+import (JAX, Orbax, TFDS, grain, ...) once, then forks a child per case that runs
 MODULE as `__main__` with `sys.argv` set to the case's arguments, its stdout and stderr in
 OUT_DIR/INDEX.out and .err; an exception that escapes is printed as Python prints it.
 Prints the children's exit statuses as a JSON list.
@@ -17,11 +17,9 @@ import traceback
 
 PRELOAD = (
     "jax",
-    "tensorflow",
     "tensorflow_datasets",
     "orbax.checkpoint",
     "grain",
-    "clu.metric_writers",
     "lambjax.cli",
     "lambjax.storage",
     "lambjax.data",

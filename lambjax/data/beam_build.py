@@ -33,7 +33,7 @@ import time
 import apache_beam as beam
 from apache_beam.options import pipeline_options as beam_options
 from etils import epath
-from tensorflow.core.example import example_pb2
+from tensorflow_datasets.proto import tf_example_pb2 as example_pb2
 
 from lambjax.data import examples as examples_lib
 from lambjax.data import sources, tokenization

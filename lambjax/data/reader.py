@@ -13,7 +13,7 @@ a planned row of several examples instead of one example; the rest is the same.
 
 import grain
 import numpy as np
-from tensorflow.core.example import example_pb2
+from tensorflow_datasets.proto import tf_example_pb2 as example_pb2
 
 from lambjax.data import masking
 from lambjax.data import packing as packing_lib

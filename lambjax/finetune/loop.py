@@ -42,6 +42,7 @@ from lambjax.models import heads
 from lambjax.models.config import BertConfig
 from lambjax.train import checkpointing
 from lambjax.train import loop as train_loop
+from lambjax.train import metrics as metrics_lib
 from lambjax.train import optimizer as optimizer_lib
 from lambjax.train import state as state_lib
 from lambjax.train.state import TrainState
@@ -310,10 +311,6 @@ def finetune(config, workdir: str) -> dict:
         state = TrainState.create(params, setup.optimizer, opt_state=steps.init_optimizer(params))
         state, step = jax.device_put(state, setup.state_shardings), 0
     setup.params = None  # the host copy is no longer needed
-    # Imported here: its TensorBoard writer loads TensorFlow (seconds), which a run that
-    # stops at bad input never needs.
-    from lambjax.train import metrics as metrics_lib
-
     writer = metrics_lib.create_writer(workdir)
     writer.resume_from(step)  # rows an interrupted run logged after the checkpoint go
     stop = distributed.StopRequest()
@@ -382,7 +379,7 @@ class FinetuneJob:
                 train["loss"],
                 train["learning_rate"],
                 train["examples_per_s"],
-                _duration(seconds_per_step * (self.num_steps - step)),
+                metrics_lib.format_duration(seconds_per_step * (self.num_steps - step)),
             )
 
     def evaluate(self, step: int, state) -> None:
@@ -396,12 +393,6 @@ class FinetuneJob:
 
     def save_due(self, step: int) -> bool:
         return False  # by steps only
-
-
-def _duration(seconds: float) -> str:
-    from lambjax.train import metrics as metrics_lib
-
-    return metrics_lib.format_duration(seconds)
 
 
 def _export(setup: FinetuneSetup, params, workdir: str) -> None:

@@ -205,7 +205,7 @@ def base_config() -> ml_collections.ConfigDict:
     config.max_consecutive_nonfinite_steps = 10
     # Peak FLOP/s of one device, for MFU; 0 = look up by device kind (unknown: no MFU).
     config.peak_flops_per_device = 0.0
-    # Capture a profile of a few steps into the workdir (clu Profile action).
+    # Trace 5 steps of each phase (from its 6th) with the JAX profiler into the workdir.
     config.profile = False
     # Experiment tracking (lambjax.train.tracking): backends "", "wandb", "mlflow" or
     # "wandb,mlflow"; the W&B project / MLflow experiment; the run's name ("": the workdir's

@@ -18,50 +18,86 @@ metrics.jsonl, so both show the same points.
 
 import json
 import os
+import socket
 import time
 
 import jax
 import numpy as np
 from absl import logging
-from clu import metric_writers, parameter_overview
+from clu import parameter_overview
 from etils import epath
 
 from lambjax import storage
 
 
-class ScalarsOnlyWriter(metric_writers.MetricWriter):
-    """A writer that keeps scalars only (`write_scalars`, `flush`, `close` are the
-    subclass's): images, texts and histograms stay in TensorBoard."""
+class Writer:
+    """Where a run's metrics go: every scalar logged at a step (`write_scalars`) and texts
+    (`write_texts`: the parameter table). The writers below and the experiment trackers'
+    (lambjax.train.tracking) are these; a scalars-only writer leaves `write_texts` as is."""
 
-    def write_summaries(self, step, values, metadata=None):
+    def write_scalars(self, step: int, scalars: dict) -> None:
+        raise NotImplementedError
+
+    def write_texts(self, step: int, texts: dict[str, str]) -> None:
         pass
 
-    def write_images(self, step, images):
+    def flush(self) -> None:
         pass
 
-    def write_videos(self, step, videos):
+    def close(self) -> None:
         pass
 
-    def write_audios(self, step, audios, *, sample_rate):
-        pass
+
+class TensorBoardWriter(Writer):
+    """A TensorBoard event file, written without TensorFlow (whose import costs a run
+    seconds): scalars as the scalars plugin's float32 tensor summaries (what
+    `tf.summary.scalar` writes), texts as the text plugin's. Each write reaches the file at
+    once, so what was logged survives a kill -9, as metrics.jsonl's rows do."""
+
+    def __init__(self, logdir: str):
+        # Named as TensorFlow names its event files, by the time it is made: TensorBoard reads
+        # a folder's files in name order, so a resumed run's comes after the earlier run's.
+        made = int(time.time())
+        name = f"events.out.tfevents.{made:010d}.{socket.gethostname()}.{os.getpid()}.v2"
+        self.path = os.path.join(logdir, name)
+        self._file = open(self.path, "ab")  # noqa: SIM115 - closed by close()
+        self._write(_event(file_version="brain.Event:2"))
+
+    def _write(self, event) -> None:
+        from tensorboard.summary.writer import record_writer
+
+        record_writer.RecordWriter(self._file).write(event.SerializeToString())
+        self._file.flush()
+
+    def write_scalars(self, step, scalars):
+        from tensorboard.compat.proto import summary_pb2
+        from tensorboard.plugins.scalar import summary_v2 as scalar
+
+        summary = summary_pb2.Summary()
+        for tag, value in scalars.items():
+            summary.value.extend(scalar.scalar_pb(tag, np.asarray(value)).value)
+        self._write(_event(step=int(step), summary=summary))
 
     def write_texts(self, step, texts):
-        pass
+        from tensorboard.compat.proto import summary_pb2
+        from tensorboard.plugins.text import summary_v2 as text
 
-    def write_histograms(self, step, arrays, num_buckets=None):
-        pass
+        summary = summary_pb2.Summary()
+        for tag, value in texts.items():
+            summary.value.extend(text.text_pb(tag, value).value)
+        self._write(_event(step=int(step), summary=summary))
 
-    def write_pointcloud(self, step, point_clouds, *, point_colors=None, configs=None):
-        pass
-
-    def write_hparams(self, hparams):
-        pass
-
-    def flush(self):
-        pass
+    def close(self):
+        self._file.close()
 
 
-class JsonlWriter(ScalarsOnlyWriter):
+def _event(**fields):
+    from tensorboard.compat.proto import event_pb2
+
+    return event_pb2.Event(wall_time=time.time(), **fields)
+
+
+class JsonlWriter(Writer):
     """Appends every scalar write as one JSON line: easy to read back in tests and scripts."""
 
     def __init__(self, path: str):
@@ -107,15 +143,32 @@ def _step_of(row: str) -> int | None:
         return None
 
 
-class RunWriter(metric_writers.MultiWriter):
-    """The writers of a run's metrics (none on processes other than 0)."""
+class RunWriter(Writer):
+    """The writers of a run's metrics (none on processes other than 0), each given every
+    write."""
 
     def __init__(self, writers, jsonl: JsonlWriter | None = None, logdir=None, earlier=None):
         """`jsonl`: the metrics.jsonl writer among `writers`; `logdir`: the local folder of
         their TensorBoard writer; `earlier`: the name of the newest event file in the
         workdir before that writer was made (an earlier run's)."""
-        super().__init__(writers)
+        self.writers = list(writers)
         self.jsonl, self.logdir, self._earlier_events = jsonl, logdir, earlier
+
+    def write_scalars(self, step, scalars):
+        for writer in self.writers:
+            writer.write_scalars(step, scalars)
+
+    def write_texts(self, step, texts):
+        for writer in self.writers:
+            writer.write_texts(step, texts)
+
+    def flush(self):
+        for writer in self.writers:
+            writer.flush()
+
+    def close(self):
+        for writer in self.writers:
+            writer.close()
 
     def resume_from(self, step: int) -> None:
         """The run continues after (global) `step`: rows of later steps, logged by an
@@ -150,12 +203,8 @@ def write_session_start(path: str, step: int) -> None:
     start = event_pb2.SessionLog(status=event_pb2.SessionLog.START)
     with open(path, "wb") as f:
         writer = record_writer.RecordWriter(f)
-        for event in (
-            event_pb2.Event(wall_time=time.time(), file_version="brain.Event:2"),
-            event_pb2.Event(wall_time=time.time(), step=step, session_log=start),
-        ):
+        for event in (_event(file_version="brain.Event:2"), _event(step=step, session_log=start)):
             writer.write(event.SerializeToString())
-        writer.flush()
 
 
 class MirroredWriter(RunWriter):
@@ -199,9 +248,9 @@ def create_writer(workdir: str, sync_interval_s: float = 30.0, extra=()) -> RunW
         write_session_start(os.path.join(local, earlier), 0)
     jsonl = JsonlWriter(os.path.join(local, "metrics.jsonl"))
     if not storage.is_remote(workdir):
-        writers = [metric_writers.SummaryWriter(workdir), jsonl, *extra]
+        writers = [TensorBoardWriter(workdir), jsonl, *extra]
         return RunWriter(writers, jsonl, workdir, earlier)
-    writers = [metric_writers.SummaryWriter(local), jsonl, *extra]
+    writers = [TensorBoardWriter(local), jsonl, *extra]
     return MirroredWriter(writers, jsonl, earlier, mirror)
 
 
@@ -219,8 +268,9 @@ def newest_event_file(folder: str) -> str | None:
 
 
 def local_logdir(writer, workdir: str) -> str:
-    """Where TensorFlow-based writers (the profiler) may write: the workdir, or for a gs://
-    workdir the local folder that is mirrored into it."""
+    """Where the profiler writes its traces: the workdir, or for a gs:// workdir the local
+    folder that is mirrored into it (the bucket gets them through lambjax's path layer, as
+    every file lambjax writes there)."""
     if isinstance(writer, MirroredWriter):
         return os.fspath(writer.mirror.local)
     return workdir

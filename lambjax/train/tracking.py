@@ -1,7 +1,7 @@
 """Experiment tracking: a run's scalars, config and name sent to Weights & Biases or MLflow.
 
 `config.tracking.backends` ("" by default; the fields: lambjax.train.config) names the
-services, comma-separated: `wandb`, `mlflow`. Each is one more clu `MetricWriter` beside
+services, comma-separated: `wandb`, `mlflow`. Each is one more `metrics.Writer` beside
 TensorBoard and `metrics.jsonl` (lambjax.train.metrics.create_writer), so it receives every
 scalar the run logs, at the same steps. At the start of the run it gets the resolved config
 and the run's name (`tracking.run_name`, else the workdir's last folder) and group
@@ -20,7 +20,6 @@ import os
 import time
 
 import numpy as np
-from clu import metric_writers
 
 from lambjax import storage
 from lambjax.train import metrics
@@ -59,7 +58,7 @@ def run_name(tracking, workdir: str) -> str:
     return tracking.run_name or os.path.basename(workdir.rstrip("/")) or "lambjax"
 
 
-def create_writers(tracking, config_dict: dict, workdir: str) -> list[metric_writers.MetricWriter]:
+def create_writers(tracking, config_dict: dict, workdir: str) -> list[metrics.Writer]:
     """A writer per backend that `tracking.backends` names (none by default)."""
     name = run_name(tracking, workdir)
     makers = {"wandb": WandbWriter, "mlflow": MlflowWriter}
@@ -82,7 +81,7 @@ def _floats(scalars) -> dict[str, float]:
     return {key: float(np.asarray(value)) for key, value in scalars.items()}
 
 
-class WandbWriter(metrics.ScalarsOnlyWriter):
+class WandbWriter(metrics.Writer):
     """A W&B run. The run's step is a logged value (`step`), not W&B's own counter, so a
     resumed run, which logs from its last checkpoint's step again, is accepted."""
 
@@ -110,7 +109,7 @@ class WandbWriter(metrics.ScalarsOnlyWriter):
         self.run.finish()
 
 
-class MlflowWriter(metrics.ScalarsOnlyWriter):
+class MlflowWriter(metrics.Writer):
     """An MLflow run in the experiment `project`, in the tracking store MLflow is pointed
     at (MLFLOW_TRACKING_URI); the config's fields are its parameters, and the config itself
     an artifact (config.json)."""

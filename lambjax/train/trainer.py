@@ -15,7 +15,6 @@ import time
 import jax
 import jax.numpy as jnp
 from absl import logging
-from clu import periodic_actions
 
 from lambjax import console, distributed, sharding, storage
 from lambjax import data as data_lib
@@ -240,8 +239,12 @@ class PhaseLoop:
         hooks = []
         if self.run_plan.profile and jax.process_index() == 0:
             logdir = metrics_lib.local_logdir(self.writer, self.workdir)
-            hooks.append(periodic_actions.Profile(logdir=logdir, first_profile=step + 5))
-        _, step, stopped = loop.run_job(self, state, step, stop, hooks)
+            hooks.append(Profile(logdir, first=step + 5))
+        try:
+            _, step, stopped = loop.run_job(self, state, step, stop, hooks)
+        finally:
+            for hook in hooks:
+                hook.stop()
         return step, stopped
 
     def batch(self, step: int) -> dict:
@@ -356,6 +359,29 @@ class PhaseLoop:
         if not saved:
             return f"no checkpoint of phase {self.phase.name} was saved (a lower learning rate?)"
         return f"the last checkpoint, {where}/{max(saved)}, is kept (a lower learning rate?)"
+
+
+class Profile:
+    """A hook of the loop (`config.profile`): the JAX profiler traces the `num_steps` steps
+    after step `first` into `logdir` (plugins/profile/RUN/*.xplane.pb, which TensorBoard's
+    profile plugin and XProf open)."""
+
+    def __init__(self, logdir: str, first: int, num_steps: int = 5):
+        self.logdir, self.first, self.last = logdir, first, first + num_steps
+        self.running = False
+
+    def __call__(self, step: int) -> None:
+        """Called after `step`."""
+        if step == self.first:
+            jax.profiler.start_trace(self.logdir)
+            self.running = True
+        elif step >= self.last:
+            self.stop()
+
+    def stop(self) -> None:
+        if self.running:
+            jax.profiler.stop_trace()
+            self.running = False
 
 
 def check_nonfinite(state, step: int, limit: int) -> None:

@@ -109,3 +109,52 @@ def test_a_resumed_run_logs_each_step_once_in_metrics_jsonl_and_tensorboard(tmp_
             "eval/mlm_loss": 2.0,
         }
     )
+
+
+def test_tensorboard_reads_the_scalars_and_texts_that_a_run_writes_without_tensorflow(tmp_path):
+    """A run's modules and its event files need no TensorFlow (its import would add seconds
+    to every run's start); TensorBoard's own loader reads what they write."""
+    import subprocess
+    import sys
+
+    from tensorboard.backend.event_processing import plugin_event_accumulator as loader
+    from tensorboard.util import tensor_util
+
+    code = (
+        "import sys\n"
+        "import lambjax.finetune.loop, lambjax.main, lambjax.sweep.runner\n"
+        "from lambjax.train import metrics, trainer\n"
+        "writer = metrics.create_writer(sys.argv[1])\n"
+        "writer.write_scalars(3, {'train/loss': 2.5, 'train/grad_norm': 0.25})\n"
+        "writer.write_texts(0, {'parameters': '    name | shape'})\n"
+        "writer.close()\n"
+        "assert 'tensorflow' not in sys.modules, 'TensorFlow was imported'\n"
+    )
+    subprocess.run([sys.executable, "-c", code, str(tmp_path)], check=True, timeout=120)
+    accumulator = loader.EventAccumulator(str(tmp_path))
+    accumulator.Reload()
+    assert set(accumulator.PluginTagToContent("scalars")) == {"train/loss", "train/grad_norm"}
+    assert list(accumulator.PluginTagToContent("text")) == ["parameters"]
+    [loss] = accumulator.Tensors("train/loss")
+    assert (loss.step, float(tensor_util.make_ndarray(loss.tensor_proto))) == (3, 2.5)
+    [text] = accumulator.Tensors("parameters")
+    assert tensor_util.make_ndarray(text.tensor_proto).item() == b"    name | shape"
+
+
+def test_the_profile_hook_traces_the_steps_after_its_first(tmp_path):
+    import glob
+
+    import jax
+    import jax.numpy as jnp
+
+    from lambjax.train.trainer import Profile
+
+    hook, x = Profile(str(tmp_path), first=2, num_steps=2), jnp.ones(4)
+    running = []
+    for step in range(1, 7):
+        x = jax.jit(lambda v: v * 2)(x)
+        hook(step)
+        running.append(hook.running)
+    hook.stop()
+    assert running == [False, True, True, False, False, False]
+    assert len(glob.glob(str(tmp_path / "plugins" / "profile" / "*" / "*.xplane.pb"))) == 1
