@@ -19,7 +19,14 @@ os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "0")  # TensorFlow 2.21's import 
 
 import jax  # noqa: E402
 
+from tests.helpers import COMPILATION_CACHE  # noqa: E402
+
 jax.config.update("jax_platforms", "cpu")
+# The tests' programs reach the cache that the runs they start share (tests/helpers.py:
+# `environment`): a program that another test compiled already is read back, not compiled.
+jax.config.update("jax_compilation_cache_dir", COMPILATION_CACHE)
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 
 @pytest.fixture(scope="module")
