@@ -395,9 +395,14 @@ def check_nonfinite(state, step: int, limit: int) -> None:
 
 
 def params_finite(params) -> bool:
-    """Whether every parameter is finite (one reduction per tensor, one transfer)."""
-    flags = [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(params)]
-    return bool(jax.device_get(jnp.all(jnp.stack(flags))))
+    """Whether every parameter is finite: one program (not one per tensor, each with its
+    own collectives), one transfer."""
+    return bool(jax.device_get(_all_finite(params)))
+
+
+@jax.jit
+def _all_finite(params) -> jax.Array:
+    return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(params)]))
 
 
 def log_summary(workdir: str, results: list[PhaseResult]) -> None:
