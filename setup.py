@@ -27,10 +27,10 @@ TRAIN_REQUIRES = [
     "grain>=0.2,<0.3",
     "array-record>=0.5",
     "ml_collections>=1,<2",
-    # clu's metric writers need TensorFlow's summary ops and TensorBoard.
-    "clu==0.0.12",
+    "clu==0.0.12",  # its parameter overview (the parameter table)
+    # Google's original TensorFlow checkpoints (tf:DIR) and TFDS's builds; runs never load it.
     "tensorflow-cpu>=2.16,<3",
-    "tensorboard>=2.16,<3",
+    "tensorboard>=2.16,<3",  # the event files' protos and record writer (lambjax.train.metrics)
     "tokenizers>=0.20,<1",
     "safetensors>=0.4",
     "absl-py>=1.4",
