@@ -26,6 +26,10 @@ import numpy as np
 from absl import logging
 from clu import parameter_overview
 from etils import epath
+from tensorboard.compat.proto import event_pb2, summary_pb2
+from tensorboard.plugins.scalar import summary_v2 as scalar_summary
+from tensorboard.plugins.text import summary_v2 as text_summary
+from tensorboard.summary.writer import record_writer
 
 from lambjax import storage
 
@@ -61,39 +65,30 @@ class TensorBoardWriter(Writer):
         name = f"events.out.tfevents.{made:010d}.{socket.gethostname()}.{os.getpid()}.v2"
         self.path = os.path.join(logdir, name)
         self._file = open(self.path, "ab")  # noqa: SIM115 - closed by close()
+        self._records = record_writer.RecordWriter(self._file)
         self._write(_event(file_version="brain.Event:2"))
 
-    def _write(self, event) -> None:
-        from tensorboard.summary.writer import record_writer
-
-        record_writer.RecordWriter(self._file).write(event.SerializeToString())
-        self._file.flush()
-
     def write_scalars(self, step, scalars):
-        from tensorboard.compat.proto import summary_pb2
-        from tensorboard.plugins.scalar import summary_v2 as scalar
-
-        summary = summary_pb2.Summary()
-        for tag, value in scalars.items():
-            summary.value.extend(scalar.scalar_pb(tag, np.asarray(value)).value)
-        self._write(_event(step=int(step), summary=summary))
+        self._write_summaries(
+            step, [scalar_summary.scalar_pb(tag, np.asarray(v)) for tag, v in scalars.items()]
+        )
 
     def write_texts(self, step, texts):
-        from tensorboard.compat.proto import summary_pb2
-        from tensorboard.plugins.text import summary_v2 as text
+        self._write_summaries(step, [text_summary.text_pb(tag, v) for tag, v in texts.items()])
 
-        summary = summary_pb2.Summary()
-        for tag, value in texts.items():
-            summary.value.extend(text.text_pb(tag, value).value)
-        self._write(_event(step=int(step), summary=summary))
+    def _write_summaries(self, step, summaries) -> None:
+        values = [value for summary in summaries for value in summary.value]
+        self._write(_event(step=int(step), summary=summary_pb2.Summary(value=values)))
+
+    def _write(self, event) -> None:
+        self._records.write(event.SerializeToString())
+        self._file.flush()
 
     def close(self):
         self._file.close()
 
 
 def _event(**fields):
-    from tensorboard.compat.proto import event_pb2
-
     return event_pb2.Event(wall_time=time.time(), **fields)
 
 
@@ -197,9 +192,6 @@ class RunWriter(Writer):
 def write_session_start(path: str, step: int) -> None:
     """An event file that holds one SessionLog START event at `step`. TensorBoard takes a
     run's first START for its beginning, and each later one for a restart at its step."""
-    from tensorboard.compat.proto import event_pb2
-    from tensorboard.summary.writer import record_writer
-
     start = event_pb2.SessionLog(status=event_pb2.SessionLog.START)
     with open(path, "wb") as f:
         writer = record_writer.RecordWriter(f)
