@@ -78,11 +78,24 @@ SIZES = {
         warmup_steps=25,
         warmups=(10, 60),
         seeds=(1, 2),
-        # Stage 2's grid extensions: (optimizer, batch) -> further multipliers, where stage
-        # 1's best sat at an edge. Filled from stage 1's report before stage 2 runs.
-        extensions={},
-        # Stage 2's best points: (optimizer, batch) -> the multiplier stage 1 chose.
-        best={},
+        # Stage 2, as stage 1's report printed it on 2026-11-27 at 16:00 UTC with 48 of its
+        # 60 trials finished. The 12 left (the lr_x 4 column) can change it only by reaching
+        # the target, which no trial at lr_x 2 did; the README records the check made when
+        # they end. Grid extensions: (optimizer, batch) -> further multipliers, where stage
+        # 1's best sat at an edge.
+        extensions={
+            **{("lamb", b): (0.25,) for b in (32, 128, 256, 512)},
+            **{("lans", b): (0.25,) for b in (32, 64, 128, 256, 512)},
+            **{("adamw", b): (0.25,) for b in (128, 256, 512)},
+        },
+        # Best points: (optimizer, batch) -> the multiplier stage 1 chose.
+        best={
+            **{("lamb", b): 0.5 for b in (32, 128, 256, 512)},
+            ("lamb", 64): 1.0,
+            **{("lans", b): 0.5 for b in (32, 64, 128, 256, 512)},
+            **{("adamw", b): 1.0 for b in (32, 64)},
+            **{("adamw", b): 0.5 for b in (128, 256, 512)},
+        },
     ),
     # BERT on Wikipedia, phase 1 (sequence 128) only, 2K .. 64K sequences per step. Each
     # batch size's budget is NVIDIA's phase-1 sample count (65,536 x 7,038, which takes
