@@ -12,9 +12,11 @@ the square-root rule, and the arms are read off them by a rule fixed before the 
              comparison, Shallue et al.'s measure);
 
 "best" is the fewest steps to the target, then the lower best held-out loss (a trial that
-never reaches the target counts as infinitely many steps). Only seed 0 chooses; the other
-seeds of a chosen point give its spread. Steps to the target are the first evaluation at or
-below it, exact to the trial's evaluation interval: the speed-up table gives the range of
+never reaches the target counts as infinitely many steps). Only seed 0 chooses. Stage 2
+reruns stage 1's choice at each (optimizer, batch) with two more seeds: those three give the
+spread, the speed-ups and S(B) fits on their means, and the optimizers' order at each batch
+size with whether their seed ranges overlap. Steps to the target are the first evaluation at
+or below it, exact to the trial's evaluation interval: the speed-up table gives the range of
 each ratio that the intervals allow.
 
 Per optimizer, S(B) = S_min (1 + B_crit / B) (McCandlish et al. 2018) is fitted to the tuned
@@ -182,9 +184,37 @@ def study_report(directory: str, trials: dict, study: dict) -> str:
         fit_table(chosen),
         "",
     ]
-    spread = seed_table(every, chosen)
+    sets = seeded(every, warmup)
+    spread = seed_table(sets, chosen)
     if spread:
-        lines += ["Seeds: each tuned point rerun with other seeds:", "", spread, ""]
+        lines += [
+            "Seeds: stage 1's best point of each optimizer and batch size (the config's "
+            "`best`), rerun with seeds 1 and 2. `tuned choice` names seed 0's fastest point "
+            "where the extensions or warmups moved it (one seed: within the spread below, "
+            "that move is no finding):",
+            "",
+            spread,
+            "",
+            "Speed-up per doubling on the seeds' mean steps (in brackets the slowest seed "
+            "over the fastest, and back):",
+            "",
+            seed_speedup_table(sets, batch_sizes),
+            "",
+            "S(B) fitted to the seeds' mean steps and to each seed alone, beside the noise "
+            "scale the same trials measured:",
+            "",
+            seed_fit_table(sets),
+            "",
+        ]
+        comparison = optimizer_comparison(sets, batch_sizes)
+        if comparison:
+            lines += [
+                "The optimizers at each batch size, fastest first (`separate`: the faster "
+                "one's slowest seed beats the slower one's fastest):",
+                "",
+                comparison,
+                "",
+            ]
     warmups = warmup_table(every, chosen)
     if warmups:
         lines += ["Warmups: each tuned point's multiplier with other warmups (seed 0):", ""]
@@ -206,7 +236,7 @@ def study_report(directory: str, trials: dict, study: dict) -> str:
         f"    best={best!r},",
         "",
     ]
-    plot_steps(directory, chosen, batch_sizes, budgets, target)
+    plot_steps(directory, chosen, batch_sizes, budgets, target, sets)
     plot_learning_rates(directory, chosen, batch_sizes)
     plot_noise(directory, chosen)
     seconds = sum(t.get("wall_time_s") or 0.0 for t in trials.values())
@@ -300,21 +330,135 @@ def varied(every: list[dict], point: dict, label: str) -> list[dict]:
     return sorted(same, key=lambda q: q.get(label, 0))
 
 
-def seed_table(every: list[dict], chosen: dict) -> str:
-    """Per tuned point with repeated seeds: each seed's steps, their mean and range."""
-    lines = ["| optimizer | batch | steps by seed | mean (range) |", "|---|---|---|---|"]
-    for optimizer, b, p in tuned_points(chosen):
-        same = varied(every, p, "seed")
-        if len(same) < 2:
-            continue
-        cells = ", ".join(f"{q['seed']}: {q['steps'] or '-'}" for q in same)
-        reached = [q["steps"] for q in same if q["steps"]]
-        summary = (
-            f"{statistics.fmean(reached):.0f} ({min(reached)}-{max(reached)})"
-            if len(reached) == len(same)
-            else "-"
+def seeded(every: list[dict], warmup: int) -> dict:
+    """(optimizer, batch) -> the trials of the point that stage 2 reran with other seeds (the
+    config's `best`: one lr_x at the default warmup), seed 0 first."""
+    rates = {}
+    for q in every:
+        if q["seed"] != 0 and q.get("warmup", warmup) == warmup:
+            rates.setdefault((q["optimizer"], q["batch"]), q["lr_x"])
+    order = list(dict.fromkeys(q["optimizer"] for q in every))
+    return {
+        key: sorted(
+            (
+                q
+                for q in every
+                if (q["optimizer"], q["batch"]) == key
+                and q["lr_x"] == lr_x
+                and q.get("warmup", warmup) == warmup
+            ),
+            key=lambda q: q["seed"],
         )
-        lines.append(f"| {optimizer} | {b} | {cells} | {summary} |")
+        for key, lr_x in sorted(
+            rates.items(), key=lambda item: (order.index(item[0][0]), item[0][1])
+        )
+    }
+
+
+def seed_steps(trials: list[dict] | None) -> list[int] | None:
+    """Every seed's steps to the target; None unless every seed ended and reached it."""
+    if not trials or not all(q["done"] and q["steps"] for q in trials):
+        return None
+    return [q["steps"] for q in trials]
+
+
+def seed_cell(trial: dict) -> str:
+    """A trial's steps to the target, `-` where it ended without, its status before it ends."""
+    if trial["steps"]:
+        return str(trial["steps"])
+    return "-" if trial["done"] else f"({trial['status'] or 'not run'})"
+
+
+def seed_table(sets: dict, chosen: dict) -> str:
+    """Per stage-2 point: each seed's steps, their mean and range, and whether seed 0's
+    choice (the tuned arm, over the extensions and warmups too) is still this point."""
+    lines = [
+        "| optimizer | batch | lr_x | steps by seed | mean (range) | tuned choice (seed 0) |",
+        "|---|---|---|---|---|---|",
+    ]
+    for (optimizer, batch), trials in sets.items():
+        cells = ", ".join(f"{q['seed']}: {seed_cell(q)}" for q in trials)
+        steps = seed_steps(trials)
+        summary = f"{statistics.fmean(steps):.0f} ({min(steps)}-{max(steps)})" if steps else "-"
+        tuned = chosen.get((optimizer, "tuned"), {}).get(batch)
+        if tuned is None or (tuned["lr_x"], tuned.get("warmup")) == (
+            trials[0]["lr_x"],
+            trials[0].get("warmup"),
+        ):
+            choice = "this point"
+        else:
+            choice = (
+                f"lr_x {tuned['lr_x']:g}, warmup {tuned.get('warmup')}: {tuned['steps'] or '-'}"
+            )
+        lines.append(
+            f"| {optimizer} | {batch} | {trials[0]['lr_x']:g} | {cells} | {summary} | {choice} |"
+        )
+    return "\n".join(lines) if len(lines) > 2 else ""
+
+
+def seed_speedup_table(sets: dict, batch_sizes: list[int]) -> str:
+    """Per optimizer and doubling of the batch: the ratio of the seeds' mean steps, and in
+    brackets the range the seeds span (the slowest seed over the fastest, and back)."""
+    pairs = list(zip(batch_sizes, batch_sizes[1:], strict=False))
+    header = ["optimizer", *(f"{a}->{b}" for a, b in pairs)]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for optimizer in dict.fromkeys(key[0] for key in sets):
+        cells = []
+        for a, b in pairs:
+            sa, sb = seed_steps(sets.get((optimizer, a))), seed_steps(sets.get((optimizer, b)))
+            if sa and sb:
+                mean = statistics.fmean(sa) / statistics.fmean(sb)
+                cells.append(f"{mean:.2f} ({min(sa) / max(sb):.2f}-{max(sa) / min(sb):.2f})")
+            else:
+                cells.append("")
+        lines.append(f"| {optimizer} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def seed_fit_table(sets: dict) -> str:
+    """Per optimizer: S(B) fitted to the seeds' mean steps, and B_crit fitted to each seed's
+    own steps alone, beside the noise scale those trials measured (median)."""
+    lines = [
+        "| optimizer | S_min (means) | B_crit (means) | B_crit by seed | B_simple measured |",
+        "|---|---|---|---|---|",
+    ]
+    for optimizer in dict.fromkeys(key[0] for key in sets):
+        mine = {b: trials for (o, b), trials in sets.items() if o == optimizer}
+        complete = {b: seed_steps(trials) for b, trials in mine.items()}
+        complete = {b: steps for b, steps in complete.items() if steps}
+        means = fit({b: {"steps": statistics.fmean(steps)} for b, steps in complete.items()})
+        by_seed = []
+        for seed in sorted({q["seed"] for trials in mine.values() for q in trials}):
+            own = {b: q for b, trials in mine.items() for q in trials if q["seed"] == seed}
+            fitted = fit({b: q for b, q in own.items() if q["done"]})
+            by_seed.append(f"{seed}: {fitted[1]:.0f}" if fitted else f"{seed}: -")
+        noise = [measured_noise(q) for trials in mine.values() for q in trials if q["done"]]
+        noise = [v for v in noise if math.isfinite(v)]
+        measured = f"{statistics.median(noise):.0f}" if noise else "-"
+        head = f"{means[0]:.0f} | {means[1]:.0f}" if means else "- | -"
+        lines.append(f"| {optimizer} | {head} | {', '.join(by_seed)} | {measured} |")
+    return "\n".join(lines)
+
+
+def optimizer_comparison(sets: dict, batch_sizes: list[int]) -> str:
+    """Per batch size: the optimizers by their seeds' mean steps, and whether each
+    neighbour's seed range overlaps the next (a gap inside the seeds' spread is no ranking)."""
+    lines = ["| batch | by mean steps (range) | ranges |", "|---|---|---|"]
+    for b in batch_sizes:
+        ranked = []
+        for (optimizer, batch), trials in sets.items():
+            steps = seed_steps(trials) if batch == b else None
+            if steps:
+                ranked.append((statistics.fmean(steps), min(steps), max(steps), optimizer))
+        if len(ranked) < 2:
+            continue
+        ranked.sort()
+        order = ", ".join(f"{o} {m:.0f} ({lo}-{hi})" for m, lo, hi, o in ranked)
+        verdicts = [
+            f"{faster[3]} / {slower[3]} {'overlap' if slower[1] <= faster[2] else 'separate'}"
+            for faster, slower in zip(ranked, ranked[1:], strict=False)
+        ]
+        lines.append(f"| {b} | {order} | {'; '.join(verdicts)} |")
     return "\n".join(lines) if len(lines) > 2 else ""
 
 
@@ -325,7 +469,7 @@ def warmup_table(every: list[dict], chosen: dict) -> str:
         same = varied(every, p, "warmup")
         if len(same) < 2:
             continue
-        cells = ", ".join(f"{q.get('warmup')}: {q['steps'] or '-'}" for q in same)
+        cells = ", ".join(f"{q.get('warmup')}: {seed_cell(q)}" for q in same)
         lines.append(f"| {optimizer} | {b} | {cells} |")
     return "\n".join(lines) if len(lines) > 2 else ""
 
@@ -351,7 +495,7 @@ def plot_arm(axis, optimizer: str, arm: str, xs, ys) -> None:
     )
 
 
-def plot_steps(directory, chosen, batch_sizes, budgets, target) -> None:
+def plot_steps(directory, chosen, batch_sizes, budgets, target, sets) -> None:
     plt = plots.pyplot()
     figure, axis = plt.subplots(figsize=(7, 5))
     caps = [budgets[str(b)] for b in batch_sizes]
@@ -377,6 +521,13 @@ def plot_steps(directory, chosen, batch_sizes, budgets, target) -> None:
             s_min, b_crit, _ = fitted
             curve = [s_min * (1 + b_crit / b) for b in batch_sizes]
             axis.plot(batch_sizes, curve, ":", color=color, alpha=0.6)
+    for (optimizer, batch), trials in sets.items():
+        steps = seed_steps(trials)
+        if steps:
+            mean = statistics.fmean(steps)
+            spread = [[mean - min(steps)], [max(steps) - mean]]
+            color, _ = STYLES.get(optimizer, ("tab:gray", "o"))
+            axis.errorbar([batch], [mean], yerr=spread, fmt="_", color=color, capsize=4)
     batch_axis(axis, batch_sizes)
     axis.set_yscale("log", base=2)
     axis.yaxis.set_major_formatter(plt.FuncFormatter(lambda y, _: f"{y:g}"))
@@ -387,7 +538,7 @@ def plot_steps(directory, chosen, batch_sizes, budgets, target) -> None:
         "steps_to_target.png",
         xlabel=BATCH_LABEL,
         ylabel=f"steps to eval MLM loss <= {target}",
-        title="Steps to target (x: not within the budget; dotted: S(B) fits)",
+        title="Steps to target (x: missed; dotted: S(B) fits; bars: seeds' mean and range)",
         minor_grid=True,
     )
 

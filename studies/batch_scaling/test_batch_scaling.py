@@ -145,16 +145,63 @@ def test_seeds_and_warmups_are_read_at_each_tuned_point():
         point("lamb", 32, 1.0, 28, 5.0, seed=2),
         point("lamb", 32, 1.0, 40, 5.0, warmup=60),
         point("lamb", 32, 1.0, 26, 5.0, warmup=10),
-        point("lamb", 32, 2.0, 50, 5.0, seed=1),  # another rate's seed: not this point's
+        point("lamb", 32, 2.0, 50, 5.0),  # another rate, no seeds: not the stage-2 point
         point("lamb", 64, 1.0, 20, 5.0),  # no repeats: no row
     ]
-    chosen = batch_scaling.arms(
-        [p for p in every if p["seed"] == 0 and p["warmup"] == 25], [32, 64], warmup=25
-    )
-    seeds = batch_scaling.seed_table(every, chosen)
-    assert seeds.splitlines()[2:] == ["| lamb | 32 | 0: 30, 1: 34, 2: 28 | 31 (28-34) |"]
+    chosen = batch_scaling.arms([p for p in every if p["seed"] == 0], [32, 64], warmup=25)
+    sets = batch_scaling.seeded(every, warmup=25)
+    assert list(sets) == [("lamb", 32)]
+    assert [(q["seed"], q["lr_x"], q["warmup"]) for q in sets[("lamb", 32)]] == [
+        (0, 1.0, 25),
+        (1, 1.0, 25),
+        (2, 1.0, 25),
+    ]
+    # Seed 0's choice moved to the shorter warmup: the row says so beside the seeds' spread.
+    seeds = batch_scaling.seed_table(sets, chosen)
+    assert seeds.splitlines()[2:] == [
+        "| lamb | 32 | 1 | 0: 30, 1: 34, 2: 28 | 31 (28-34) | lr_x 1, warmup 10: 26 |"
+    ]
     warmups = batch_scaling.warmup_table(every, chosen)
     assert warmups.splitlines()[2:] == ["| lamb | 32 | 10: 26, 25: 30, 60: 40 |"]
+
+
+def three_seeds(optimizer, steps_by_batch, lr_x=1.0):
+    """Seeds 0, 1, 2 of one stage-2 point per batch size: {batch: (steps, steps, steps)}."""
+    return [
+        point(optimizer, b, lr_x, s, 5.0, seed=seed)
+        for b, steps in steps_by_batch.items()
+        for seed, s in enumerate(steps)
+    ]
+
+
+def test_three_seeds_give_the_speed_ups_fits_and_order_with_their_ranges():
+    # LAMB follows S = 100 (1 + 256 / B) on every seed, the seeds 10% apart; AdamW is slower
+    # at 32 with the ranges apart, overlaps LAMB at 64, and one seed misses at 128.
+    exact = {32: 900, 64: 500, 128: 300}
+    every = three_seeds("lamb", {b: (s, s * 9 // 10, s * 11 // 10) for b, s in exact.items()})
+    every += three_seeds(
+        "adamw", {32: (1000, 1050, 1100), 64: (480, 500, 560), 128: (300, 310, None)}
+    )
+    sets = batch_scaling.seeded(every, warmup=25)
+    assert list(sets) == [(o, b) for o in ("lamb", "adamw") for b in (32, 64, 128)]
+
+    speedups = batch_scaling.seed_speedup_table(sets, [32, 64, 128]).splitlines()
+    # LAMB: 900 / 500 and 500 / 300 on the means; the seeds allow 810 / 550 to 990 / 450,
+    # and 450 / 330 to 550 / 270. AdamW: 1050 / 513.3, from 1000 / 560 to 1100 / 480.
+    assert speedups[2:] == [
+        "| lamb | 1.80 (1.47-2.20) | 1.67 (1.36-2.04) |",
+        "| adamw | 2.05 (1.79-2.29) |  |",
+    ]
+    fits = batch_scaling.seed_fit_table(sets).splitlines()
+    assert fits[2] == "| lamb | 100 | 256 | 0: 256, 1: 256, 2: 256 | - |"
+    # Two batch sizes complete: no fit of the means, nor of seed 2 alone.
+    assert fits[3].startswith("| adamw | - | - | 0: ") and fits[3].endswith(", 2: - | - |")
+
+    order = batch_scaling.optimizer_comparison(sets, [32, 64, 128]).splitlines()
+    assert order[2:] == [
+        "| 32 | lamb 900 (810-990), adamw 1050 (1000-1100) | lamb / adamw separate |",
+        "| 64 | lamb 500 (450-550), adamw 513 (480-560) | lamb / adamw overlap |",
+    ]
 
 
 def test_the_fit_recovers_a_known_critical_batch():
