@@ -15,9 +15,11 @@ Where trials run (`launcher`):
   slurm  one `sbatch --array` job of launch/slurm/train.sbatch, a task per unfinished trial
          (`lambjax.sweep --trial=INDEX` under srun); the command returns once submitted.
 A trial is an ordinary run: rerunning the sweep skips trials whose last phase has its final
-checkpoint (or that reached their config.target) and resumes the others from their
-checkpoints (bitwise, as any run). A trial's process dies with the sweep's (`kill -9`
-included); SIGTERM or Ctrl-C to the sweep asks every running trial to save and stop.
+checkpoint (or that reached their config.target), and trials whose loss diverged (status
+`diverged`: the run's diverged.json; delete it to run the trial again); it resumes the
+others from their checkpoints (bitwise, as any run). A trial's process dies with the
+sweep's (`kill -9` included); SIGTERM or Ctrl-C to the sweep asks every running trial to
+save and stop.
 """
 
 import ctypes
@@ -36,6 +38,8 @@ from lambjax.sweep.spec import SweepError, Trial
 from lambjax.train import target as target_lib
 
 SWEEP_FILE = "sweep.json"
+# The statuses of a trial that has ended on its own: a rerun of the sweep skips it.
+ENDED = ("finished", "diverged")
 LAUNCHERS = ("local", "tpu", "slurm")
 LAUNCH_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(__file__))), "launch")
 
@@ -105,6 +109,8 @@ class Sweep:
         for trial in trials:
             if self.finished(trial):
                 self.records[trial.name]["status"] = "finished"
+            elif self.diverged(trial):
+                self.records[trial.name]["status"] = "diverged"
 
     def read(self) -> dict:
         path = epath.Path(self.dir) / SWEEP_FILE
@@ -131,8 +137,12 @@ class Sweep:
             return True
         return is_complete(final_checkpoint(self.config, self.dir, trial))
 
+    def diverged(self, trial: Trial) -> bool:
+        """Its loss diverged (lambjax.train.target.DIVERGED_FILE): an outcome, not rerun."""
+        return target_lib.divergence(self.workdir(trial)) is not None
+
     def pending(self) -> list[Trial]:
-        return [t for t in self.trials if self.records[t.name]["status"] != "finished"]
+        return [t for t in self.trials if self.records[t.name]["status"] not in ENDED]
 
     def command(self, trial: Trial, launcher: str = "local", slot: int | None = None):
         """The command that runs `trial`; `slot` picks the TPU node of a parallel sweep."""
@@ -205,7 +215,13 @@ class Sweep:
                 # `tpu_vm.sh run` returns 0 only once the run has finished.
                 if self.finished(trial) or (launcher == "tpu" and process.returncode == 0):
                     record["status"] = "finished"
-                elif process.returncode == 0:
+                elif self.diverged(trial):
+                    record["status"] = "diverged"
+                elif process.returncode == 0 or (
+                    stop.requested and process.returncode == -signal.SIGTERM
+                ):
+                    # A trial still starting up when the sweep passed SIGTERM on has nothing
+                    # to save yet: it is stopped, as one that saved and exited.
                     record["status"] = "stopped"
                 else:
                     log = self.log_path(trial, launcher)

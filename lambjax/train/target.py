@@ -10,6 +10,11 @@ global step, the evaluation); rerunning the same command finds it and does nothi
 so a sweep counts the trial finished. The metrics are the held-out evaluation's
 (lambjax.train.trainer.PhaseLoop.evaluation); the target is read at every evaluation, so
 `eval_every_steps` is its resolution.
+
+The other way a run ends on its own: its loss diverges (exit status 3). It records that in
+WORKDIR/diverged.json, its one line of error, so that a sweep counts the trial ended and
+does not run it again (a rerun resumes from the last finite checkpoint and, bitwise the
+same, diverges again).
 """
 
 import dataclasses
@@ -21,6 +26,7 @@ from etils import epath
 from lambjax import storage
 
 FILE = "target_reached.json"
+DIVERGED_FILE = "diverged.json"
 # The metrics a target may name, and the side of the value on which each is reached.
 METRICS = {"mlm_loss": "below", "mlm_accuracy": "above", "nsp_accuracy": "above"}
 
@@ -78,3 +84,16 @@ def read(workdir: str) -> dict | None:
     """The record of a run that reached its target, or None."""
     path = epath.Path(workdir) / FILE
     return json.loads(path.read_text()) if path.exists() else None
+
+
+def record_divergence(workdir: str, error: str) -> None:
+    """Writes WORKDIR/diverged.json: the run stopped because its loss diverged (`error`, its
+    one line)."""
+    content = json.dumps({"error": error}, indent=2)
+    storage.write_text(epath.Path(workdir) / DIVERGED_FILE, content)
+
+
+def divergence(workdir: str) -> str | None:
+    """The error of a run that diverged, or None."""
+    path = epath.Path(workdir) / DIVERGED_FILE
+    return json.loads(path.read_text())["error"] if path.exists() else None

@@ -115,6 +115,10 @@ def train_and_evaluate(config, workdir: str) -> dict:
             if results[-1].stopped:
                 logging.info("Stopped in phase %s; rerun the same command to continue.", plan.name)
                 break
+    except TrainingStopped as error:
+        if jax.process_index() == 0:
+            target_lib.record_divergence(workdir, str(error))
+        raise
     finally:
         writer.close()
     log_summary(workdir, results)

@@ -33,7 +33,7 @@ held-out loss).
 import math
 import statistics
 
-from lambjax.sweep import plots
+from lambjax.sweep import plots, runner
 from lambjax.train.metrics import format_duration
 from studies import curves
 from studies.curves import steps_to_target
@@ -59,7 +59,7 @@ def points(directory: str, trials: dict, target: float) -> list[dict]:
                 "steps": steps,
                 "bracket": curves.target_bracket(curve, target),
                 "best": run["best"],
-                "done": trial.get("status") == "finished",
+                "done": trial.get("status") in runner.ENDED,
                 "status": trial.get("status", ""),
                 "curve": curve,
                 "noise": noise,
@@ -240,10 +240,11 @@ def study_report(directory: str, trials: dict, study: dict) -> str:
     plot_learning_rates(directory, chosen, batch_sizes)
     plot_noise(directory, chosen)
     seconds = sum(t.get("wall_time_s") or 0.0 for t in trials.values())
-    done = sum(t.get("status") == "finished" for t in trials.values())
+    done = sum(t.get("status") in runner.ENDED for t in trials.values())
+    diverged = sum(t.get("status") == "diverged" for t in trials.values())
     lines.append(
-        f"{done} of {len(trials)} trials finished; their wall times add up to "
-        f"{format_duration(seconds)} (trials that ran side by side overlap)."
+        f"{done} of {len(trials)} trials ended ({diverged} of them diverged); their wall "
+        f"times add up to {format_duration(seconds)} (trials that ran side by side overlap)."
     )
     lines += ["", "Plots: steps_to_target.png, learning_rates.png, noise_scale.png"]
     return "\n".join(lines)

@@ -24,7 +24,7 @@ equal_compute_learning_rates.png (FLOPs to the target against the learning rate 
 import math
 import statistics
 
-from lambjax.sweep import plots
+from lambjax.sweep import plots, runner
 from studies import curves
 from studies.curves import number, steps_to_target, time_at
 
@@ -98,9 +98,9 @@ def rank(point: dict) -> tuple:
 
 
 def ended(point: dict) -> bool:
-    """Whether the trial has ended (finished, or failed: a divergence); a running or
-    pending one is left out of every choice."""
-    return point["status"] == "finished" or point["status"].startswith("failed")
+    """Whether the trial has ended (finished, diverged, or failed); a running or pending
+    one is left out of every choice."""
+    return point["status"] in runner.ENDED or point["status"].startswith("failed")
 
 
 def chosen(every: list[dict]) -> dict[str, list[dict]]:
@@ -126,7 +126,7 @@ def stage2_settings(every: list[dict]) -> tuple[dict, dict]:
     extensions, best = {}, {}
     for arm in NAMES:
         grid = [p for p in every if p["arm"] == arm and p["seed"] == 0]
-        if not grid or not all(p["status"] == "finished" for p in grid):
+        if not grid or not all(ended(p) for p in grid):
             continue
         chosen_point = min(grid, key=rank)
         reached = math.isfinite(chosen_point["flops"])

@@ -169,6 +169,7 @@ def test_stage_two_follows_the_rule_from_stage_ones_grid():
         point("mslt", 2e-3, 0, 0.7),
         point("mslt", 4e-3, 0, 0.8),
     ]
+    every[3]["status"] = "diverged"  # ended: a miss, as one that never reached the target
     every[-1]["status"] = "running"  # an arm whose grid has not finished is left out
     extensions, best = equal_compute.stage2_settings(every)
     assert extensions == {"postln": (4e-3,), "pld": (5e-4, 4e-3)}

@@ -359,6 +359,66 @@ def test_a_sweep_in_a_bucket_keeps_its_state_there(gcs_bucket, data_dir):
     assert sweep.finished(trials[0])
 
 
+def fake_trials(tmp_path, monkeypatch, script: str):
+    """A two-trial sweep in tmp_path whose trials run `script` (python -c, argv[1] the
+    trial's workdir) in place of lambjax.main."""
+    from lambjax.sweep import runner
+    from tests.sweep import three_trials
+
+    config = three_trials.get_config()
+    trials = spec.trials(config, spec.product({"seed": [0, 1]}))
+    sweep = runner.Sweep(config, CONFIG, str(tmp_path), trials)
+    monkeypatch.setattr(
+        sweep, "command", lambda t, *_: [sys.executable, "-c", script, sweep.workdir(t)]
+    )
+    return sweep, trials
+
+
+def test_a_diverged_trial_is_an_outcome_that_a_rerun_skips(tmp_path, monkeypatch):
+    from lambjax.sweep import runner
+
+    # Seed 0 diverges as lambjax.main does (diverged.json, exit 3); seed 1 crashes.
+    script = (
+        "import json, os, sys\n"
+        "if sys.argv[1].endswith('seed=0'):\n"
+        "    path = os.path.join(sys.argv[1], 'diverged.json')\n"
+        "    json.dump({'error': '3 consecutive steps had a non-finite loss'}, open(path, 'w'))\n"
+        "    sys.exit(3)\n"
+        "sys.exit(1)\n"
+    )
+    sweep, trials = fake_trials(tmp_path, monkeypatch, script)
+    assert sweep.run(parallel=2) == 1  # the crash is a failure; the divergence is not
+    state = json.loads((tmp_path / "sweep.json").read_text())
+    assert state["trials"]["seed=0"]["status"] == "diverged"
+    assert state["trials"]["seed=1"]["status"].startswith("failed (exit 1; see ")
+    again = runner.Sweep(sweep.config, CONFIG, str(tmp_path), trials)
+    assert again.records["seed=0"]["status"] == "diverged"
+    assert [t.name for t in again.pending()] == ["seed=1"]  # the failed one runs again
+    (tmp_path / "seed=0" / "diverged.json").unlink()  # how a user asks for it again
+    assert len(runner.Sweep(sweep.config, CONFIG, str(tmp_path), trials).pending()) == 2
+
+
+def test_a_trial_that_sigterm_kills_while_starting_is_stopped_not_failed(tmp_path, monkeypatch):
+    from lambjax.sweep import runner
+
+    class StopAfterOneSecond:  # SIGTERM to the sweep a second in
+        def __init__(self):
+            self.start = time.time()
+
+        @property
+        def requested(self):
+            return time.time() > self.start + 1
+
+    monkeypatch.setattr(runner, "_StopSignal", StopAfterOneSecond)
+    # No SIGTERM handler yet (lambjax.main installs it once it trains): the signal kills.
+    sweep, _ = fake_trials(tmp_path, monkeypatch, "import time; time.sleep(60)")
+    started = time.time()
+    assert sweep.run(parallel=2) == 0
+    assert time.time() - started < 30
+    state = json.loads((tmp_path / "sweep.json").read_text())
+    assert {t["status"] for t in state["trials"].values()} == {"stopped"}
+
+
 def test_the_sweeps_eta_fills_the_slots_with_the_mean_trial_time():
     from lambjax.sweep import runner
 

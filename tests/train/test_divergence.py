@@ -6,7 +6,7 @@ import os
 import jax.numpy as jnp
 import pytest
 
-from lambjax.train import trainer
+from lambjax.train import target, trainer
 from tests import helpers
 
 
@@ -28,6 +28,8 @@ def test_a_diverging_phase_stops_and_keeps_the_last_finite_checkpoint(tmp_path):
     assert result.stderr.strip().splitlines()[-1] == errors[0] and len(errors) == 1
     assert "3 consecutive steps (2..4) had a non-finite loss" in errors[0]
     assert "no checkpoint of phase phase2 was saved" in errors[0]
+    # The run says it diverged in its workdir, for a sweep to count the trial ended.
+    assert errors[0].endswith(target.divergence(str(workdir)))
     assert "Traceback" not in result.stderr
     checkpoints = workdir / "checkpoints"
     assert str(helpers.PHASE1_STEPS) in os.listdir(checkpoints / "phase1")
