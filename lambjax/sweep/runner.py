@@ -183,7 +183,7 @@ class Sweep:
 
     def run(self, parallel: int, launcher: str = "local", env: dict | None = None) -> int:
         """Runs the unfinished trials, `parallel` at a time; returns how many failed."""
-        queue, running, failed = list(self.pending()), {}, 0
+        queue, running, failed, signalled = list(self.pending()), {}, 0, set()
         free_slots = list(range(parallel))
         base_env = dict(os.environ if env is None else env)
         slot_envs = slot_environments(parallel) if launcher == "local" else [{}] * parallel
@@ -201,9 +201,12 @@ class Sweep:
                 progress.started(trial.name, log)
             time.sleep(0.5)
             if stop.requested:
-                for _, process, _, _ in running.values():
-                    if process.poll() is None:
+                # Once per trial: a second SIGTERM could land after the run has saved and
+                # restored the default handler on its way out, and kill it there.
+                for name, (_, process, _, _) in running.items():
+                    if name not in signalled and process.poll() is None:
                         process.send_signal(signal.SIGTERM)
+                        signalled.add(name)
                 queue = []
             for name, (trial, process, started, slot) in list(running.items()):
                 if process.poll() is None:

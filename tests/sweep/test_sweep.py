@@ -398,16 +398,19 @@ def test_a_diverged_trial_is_an_outcome_that_a_rerun_skips(tmp_path, monkeypatch
     assert len(runner.Sweep(sweep.config, CONFIG, str(tmp_path), trials).pending()) == 2
 
 
+class StopAfterOneSecond:
+    """The sweep's SIGTERM handler (runner._StopSignal), as if SIGTERM came a second in."""
+
+    def __init__(self):
+        self.start = time.time()
+
+    @property
+    def requested(self):
+        return time.time() > self.start + 1
+
+
 def test_a_trial_that_sigterm_kills_while_starting_is_stopped_not_failed(tmp_path, monkeypatch):
     from lambjax.sweep import runner
-
-    class StopAfterOneSecond:  # SIGTERM to the sweep a second in
-        def __init__(self):
-            self.start = time.time()
-
-        @property
-        def requested(self):
-            return time.time() > self.start + 1
 
     monkeypatch.setattr(runner, "_StopSignal", StopAfterOneSecond)
     # No SIGTERM handler yet (lambjax.main installs it once it trains): the signal kills.
@@ -417,6 +420,27 @@ def test_a_trial_that_sigterm_kills_while_starting_is_stopped_not_failed(tmp_pat
     assert time.time() - started < 30
     state = json.loads((tmp_path / "sweep.json").read_text())
     assert {t["status"] for t in state["trials"].values()} == {"stopped"}
+
+
+def test_a_stopping_sweep_signals_each_trial_once(tmp_path, monkeypatch):
+    from lambjax.sweep import runner
+
+    monkeypatch.setattr(runner, "_StopSignal", StopAfterOneSecond)
+    # A trial that takes 2 s to save and exit after SIGTERM, counting the signals it gets.
+    script = (
+        "import os, signal, sys, time\n"
+        "count = []\n"
+        "signal.signal(signal.SIGTERM, lambda *_: count.append(1))\n"
+        "while not count:\n"
+        "    time.sleep(0.05)\n"
+        "time.sleep(2)\n"
+        "open(os.path.join(sys.argv[1], 'signals'), 'w').write(str(len(count)))\n"
+    )
+    sweep, trials = fake_trials(tmp_path, monkeypatch, script)
+    assert sweep.run(parallel=2) == 0
+    for trial in trials:
+        assert (tmp_path / trial.name / "signals").read_text() == "1"
+        assert sweep.records[trial.name]["status"] == "stopped"
 
 
 def test_the_sweeps_eta_fills_the_slots_with_the_mean_trial_time():
