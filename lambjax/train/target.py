@@ -14,7 +14,7 @@ so a sweep counts the trial finished. The metrics are the held-out evaluation's
 The other way a run ends on its own: its loss diverges (exit status 3). It records that in
 WORKDIR/diverged.json, its one line of error, so that a sweep counts the trial ended and
 does not run it again (a rerun resumes from the last finite checkpoint and, bitwise the
-same, diverges again).
+same, diverges again). Run by hand again, it warns, removes the file and tries.
 """
 
 import dataclasses
@@ -97,3 +97,8 @@ def divergence(workdir: str) -> str | None:
     """The error of a run that diverged, or None."""
     path = epath.Path(workdir) / DIVERGED_FILE
     return json.loads(path.read_text())["error"] if path.exists() else None
+
+
+def clear_divergence(workdir: str) -> None:
+    """Removes WORKDIR/diverged.json: the run is being tried again."""
+    (epath.Path(workdir) / DIVERGED_FILE).unlink(missing_ok=True)

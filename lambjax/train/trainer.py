@@ -90,6 +90,16 @@ def train_and_evaluate(config, workdir: str) -> dict:
             target_lib.FILE,
         )
         return reached["eval"]
+    diverged = target_lib.divergence(workdir)
+    if diverged is not None:
+        logging.warning(
+            "This run diverged before (%s): %s. Resuming from its last finite checkpoint "
+            "repeats that, bit for bit, unless the command changed.",
+            target_lib.DIVERGED_FILE,
+            diverged,
+        )
+        if jax.process_index() == 0:
+            target_lib.clear_divergence(workdir)
     for flag, path in data_lib.paths(config.data):
         storage.check_reachable(path, flag)
     vocabulary = phases.prepare_vocabulary(config.data)

@@ -39,6 +39,20 @@ def test_a_diverging_phase_stops_and_keeps_the_last_finite_checkpoint(tmp_path):
     assert all(v == v for step, v in losses.items() if step <= helpers.PHASE1_STEPS + 1)
     assert all(v != v for step, v in losses.items() if step > helpers.PHASE1_STEPS + 1)
 
+    # Phase 2 saved nothing, so its rate may change: the rerun warns, clears the record and
+    # trains on from phase 1's final checkpoint.
+    rerun = helpers.run_demo(
+        workdir,
+        tmp_path / "data",
+        1,
+        "--config.phases.phase2.warmup_fraction=0",
+        "--config.phases.phase2.num_steps=8",
+        "--config.max_consecutive_nonfinite_steps=3",
+    )
+    assert "This run diverged before (diverged.json): 3 consecutive steps" in rerun.stderr
+    assert target.divergence(str(workdir)) is None
+    assert (checkpoints / "phase2" / "8").is_dir()
+
 
 def test_params_finite_finds_one_bad_value_in_any_tensor():
     params = {"a": jnp.ones((3, 4)), "b": {"c": jnp.zeros(5, jnp.bfloat16)}}
