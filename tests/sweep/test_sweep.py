@@ -359,6 +359,11 @@ def test_a_sweep_in_a_bucket_keeps_its_state_there(gcs_bucket, data_dir):
     assert sweep.finished(trials[0])
 
 
+# These tests run a sweep in the test process, where JAX's threads exist: Python warns that
+# the trial's fork may deadlock, but the child only calls exec (and prctl before it).
+in_process_sweep = pytest.mark.filterwarnings("ignore:os.fork:RuntimeWarning")
+
+
 def fake_trials(tmp_path, monkeypatch, script: str):
     """A two-trial sweep in tmp_path whose trials run `script` (python -c, argv[1] the
     trial's workdir) in place of lambjax.main."""
@@ -374,6 +379,7 @@ def fake_trials(tmp_path, monkeypatch, script: str):
     return sweep, trials
 
 
+@in_process_sweep
 def test_a_diverged_trial_is_an_outcome_that_a_rerun_skips(tmp_path, monkeypatch):
     from lambjax.sweep import runner
 
@@ -409,6 +415,7 @@ class StopAfterOneSecond:
         return time.time() > self.start + 1
 
 
+@in_process_sweep
 def test_a_trial_that_sigterm_kills_while_starting_is_stopped_not_failed(tmp_path, monkeypatch):
     from lambjax.sweep import runner
 
@@ -422,6 +429,7 @@ def test_a_trial_that_sigterm_kills_while_starting_is_stopped_not_failed(tmp_pat
     assert {t["status"] for t in state["trials"].values()} == {"stopped"}
 
 
+@in_process_sweep
 def test_a_stopping_sweep_signals_each_trial_once(tmp_path, monkeypatch):
     from lambjax.sweep import runner
 
