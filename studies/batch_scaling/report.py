@@ -229,8 +229,8 @@ def study_report(directory: str, trials: dict, study: dict) -> str:
         ]
     extensions, best = stage2_settings(grid, chosen)
     lines += [
-        "Stage 2 by its rule (the config's `extensions` and `best`, committed before stage 2 "
-        "runs):",
+        "The stage-2 rule on the grid as run so far (after stage 1: the config's `extensions` "
+        "and `best`, committed before stage 2 runs; after stage 2: any further extension due):",
         "",
         f"    extensions={extensions!r},",
         f"    best={best!r},",
