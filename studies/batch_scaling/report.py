@@ -293,6 +293,13 @@ def speedup_table(chosen: dict, batch_sizes: list[int]) -> str:
     return "\n".join(lines)
 
 
+def median_noise(points) -> str:
+    """The median of the trials' measured B_simple, formatted; `-` where none logged one."""
+    noise = [measured_noise(p) for p in points]
+    noise = [v for v in noise if math.isfinite(v)]
+    return f"{statistics.median(noise):.0f}" if noise else "-"
+
+
 def fit_table(chosen: dict) -> str:
     lines = [
         "| optimizer | S_min (steps) | B_crit (fit) | batch sizes fitted | B_simple measured |",
@@ -302,9 +309,7 @@ def fit_table(chosen: dict) -> str:
         if arm != "tuned":
             continue
         fitted = fit(by_batch)
-        noise = [measured_noise(p) for p in by_batch.values()]
-        noise = [v for v in noise if math.isfinite(v)]
-        measured = f"{statistics.median(noise):.0f}" if noise else "-"
+        measured = median_noise(by_batch.values())
         if fitted is None:
             lines.append(f"| {optimizer} | - | - | fewer than 3 reached | {measured} |")
         else:
@@ -409,7 +414,8 @@ def seed_speedup_table(sets: dict, batch_sizes: list[int]) -> str:
             sa, sb = seed_steps(sets.get((optimizer, a))), seed_steps(sets.get((optimizer, b)))
             if sa and sb:
                 mean = statistics.fmean(sa) / statistics.fmean(sb)
-                cells.append(f"{mean:.2f} ({min(sa) / max(sb):.2f}-{max(sa) / min(sb):.2f})")
+                low, high = curves.ratio_range((min(sa), max(sa)), (min(sb), max(sb)))
+                cells.append(f"{mean:.2f} ({low:.2f}-{high:.2f})")
             else:
                 cells.append("")
         lines.append(f"| {optimizer} | " + " | ".join(cells) + " |")
@@ -433,9 +439,7 @@ def seed_fit_table(sets: dict) -> str:
             own = {b: q for b, trials in mine.items() for q in trials if q["seed"] == seed}
             fitted = fit({b: q for b, q in own.items() if q["done"]})
             by_seed.append(f"{seed}: {fitted[1]:.0f}" if fitted else f"{seed}: -")
-        noise = [measured_noise(q) for trials in mine.values() for q in trials if q["done"]]
-        noise = [v for v in noise if math.isfinite(v)]
-        measured = f"{statistics.median(noise):.0f}" if noise else "-"
+        measured = median_noise(q for trials in mine.values() for q in trials if q["done"])
         head = f"{means[0]:.0f} | {means[1]:.0f}" if means else "- | -"
         lines.append(f"| {optimizer} | {head} | {', '.join(by_seed)} | {measured} |")
     return "\n".join(lines)
