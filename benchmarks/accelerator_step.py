@@ -110,13 +110,13 @@ def lambjax_seconds(case: Case, config: BertConfig, args) -> float:
         donate_argnums=(0,),
     )
 
-    def init_state(key):  # held as the trainer's steps hold it (lambjax.train.layout)
-        state = TrainState.create(init_params(config, key), optimizer)
-        return layout.to_running(state, 0) if layout.per_layer(config) else state
+    def init_state(key):
+        return TrainState.create(init_params(config, key), optimizer)
 
-    state = jax.jit(init_state, out_shardings=NamedSharding(mesh, PartitionSpec()))(
-        jax.random.key(0)
-    )
+    replicated = NamedSharding(mesh, PartitionSpec())
+    state = jax.jit(init_state, out_shardings=replicated)(jax.random.key(0))
+    if layout.per_layer(config):  # as the trainer's steps hold it, converted in its own jit
+        state = jax.jit(lambda s: layout.to_running(s, 0), out_shardings=replicated)(state)
     global_batch = case.batch_per_device * jax.device_count() * case.grad_accum
     batch = random_batch(global_batch, seq, predictions)
     batch = jax.device_put(batch, NamedSharding(mesh, PartitionSpec("data")))

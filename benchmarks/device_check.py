@@ -197,12 +197,13 @@ def time_step(report: Report, args, case: StepCase, profile: bool) -> dict:
     )
     step = jax.jit(functools.partial(step_lib.train_step, settings=settings), donate_argnums=(0,))
 
-    def init_state(key):  # as the trainer's steps hold it (lambjax.train.layout)
-        state = TrainState.create(init_params(config, key), optimizer)
-        return layout.to_running(state, 0) if layout.per_layer(config) else state
+    def init_state(key):
+        return TrainState.create(init_params(config, key), optimizer)
 
     replicated = NamedSharding(mesh, PartitionSpec())
     state = jax.jit(init_state, out_shardings=replicated)(jax.random.key(0))
+    if layout.per_layer(config):  # as the trainer's steps hold it, converted in its own jit
+        state = jax.jit(lambda s: layout.to_running(s, 0), out_shardings=replicated)(state)
     sequences = case.batch * jax.device_count() * case.grad_accum
     batch = random_batch(np.random.default_rng(0), sequences, seq, predictions, args.vocab_size)
     batch = jax.device_put(batch, NamedSharding(mesh, PartitionSpec("data")))

@@ -75,6 +75,8 @@ def compile_steps(
     rest = state_shardings if layout is None else layout.rest_shardings
     conversions = {}
     if layout is not None:
+        # Each in its own jit: fused into the initialisation, the unstacking took XLA:GPU
+        # minutes to compile at BERT-large (docs/performance.md), apart about a second.
         conversions = dict(
             to_running=jax.jit(layout.to_running, out_shardings=state_shardings),
             to_rest=jax.jit(layout.to_rest, out_shardings=rest),
