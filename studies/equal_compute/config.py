@@ -91,9 +91,10 @@ SIZES = {
         learning_rates=LEARNING_RATES,
         seeds=(1, 2),
         # Stage 2, fixed from stage 1's report before it runs: arm -> further rates where
-        # the best sat at an edge, and arm -> its best rate (rerun with `seeds`).
+        # the best sat at an edge, and arm -> its best rate (rerun with `seeds`). Each arm's
+        # entry is the report's rule on its own finished grid, committed as the grid ended.
         extensions={},
-        best={},
+        best={"postln": 1e-3, "preln": 1e-3, "pld": 1e-3},
     ),
     # BERT-base at DeepSpeed's PLD batch (4,096; 16 sequences per device and micro-batch on
     # 256 devices), sequence 128, Wikipedia, DeepSpeed's Adam (no bias correction). The cap
