@@ -12,7 +12,10 @@ the same budget of FLOPs.
 
 A speed-up is the baseline's mean FLOPs to the target over the arm's; it reads as a verdict
 (studies.curves.seed_verdict) only where both were run with 3 seeds ("none yet" before),
-against the larger of the two seed ranges. Training time is the trials' logged step times
+against the larger of the two seed ranges, and every seed reached the target (else the
+verdict says how many did). Where a seed missed at an arm's chosen rate, the rule runs the
+rate below it with every seed too (the config's `fallback`), and a second table reads each
+arm at its fastest rate that every seed reached. Training time is the trials' logged step times
 added up (compiling and evaluating not counted; trials that shared the machine measured its
 load too): a second reading, not the verdict.
 
@@ -118,6 +121,41 @@ def chosen(every: list[dict]) -> dict[str, list[dict]]:
     return result
 
 
+def reliable(every: list[dict]) -> dict[str, list[dict]]:
+    """Arm -> the trials of its rate with the fewest mean FLOPs to the target among the
+    rates that at least MIN_SEEDS seeds ran to their end, every one reaching it."""
+    every = [p for p in every if ended(p)]
+    result = {}
+    for arm in NAMES:
+        by_rate = {}
+        for p in every:
+            if p["arm"] == arm:
+                by_rate.setdefault(p["lr"], []).append(p)
+        full = [
+            runs
+            for runs in by_rate.values()
+            if len(runs) >= curves.MIN_SEEDS and all(math.isfinite(p["flops"]) for p in runs)
+        ]
+        if full:
+            best = min(full, key=lambda runs: summary(runs, "flops")[0])
+            result[arm] = sorted(best, key=lambda p: p["seed"])
+    return result
+
+
+def fallback_settings(every: list[dict]) -> dict:
+    """The config's `fallback` by its rule: arm -> the rate below its chosen one in its
+    grid, where a seed that ran to its end missed the target at the chosen rate."""
+    fallback = {}
+    for arm, runs in chosen(every).items():
+        if all(math.isfinite(p["flops"]) for p in runs):
+            continue
+        grid = {p["lr"] for p in every if p["arm"] == arm and p["seed"] == 0}
+        lower = [rate for rate in grid if rate < runs[0]["lr"]]
+        if lower:
+            fallback[arm] = max(lower)
+    return fallback
+
+
 def stage2_settings(every: list[dict]) -> tuple[dict, dict]:
     """Stage 2's settings by the rule fixed before stage 1 (studies/equal_compute/config.py):
     `extensions`, one more rate (x2 or /2) beyond a grid edge an arm's best sits at, or
@@ -168,8 +206,13 @@ def comparison_table(arms: dict[str, list[dict]]) -> str:
         speedup = base_mean / mean if math.isfinite(mean) and math.isfinite(base_mean) else math.nan
         verdict = "baseline"
         seeds = min(len(runs), len(base or []))
-        if arm != "postln" and seeds < curves.MIN_SEEDS:
+        reached = sum(math.isfinite(p["flops"]) for p in runs)
+        if reached < len(runs):
+            verdict = f"{reached} of {len(runs)} seeds reached the target"
+        elif arm != "postln" and seeds < curves.MIN_SEEDS:
             verdict = f"none yet ({seeds} seed{'s' if seeds != 1 else ''})"
+        elif arm != "postln" and not math.isfinite(base_mean):
+            verdict = "- (a baseline seed missed)"
         elif arm != "postln":
             band = max(base_range, spread)
             verdict = curves.seed_verdict(mean - base_mean, band, seeds, "the seed range")
@@ -221,6 +264,18 @@ def study_report(directory: str, trials: dict, study: dict) -> str:
         "at that rate:",
         "",
         comparison_table(arms),
+    ]
+    fallback = fallback_settings(every)
+    if fallback:
+        lines += [
+            "",
+            "A seed missed the target at a chosen rate, so the rule ran the rate below it with "
+            "every seed too. Each arm at its fastest rate that every seed reached (an arm "
+            "without one is left out):",
+            "",
+            comparison_table(reliable(every)),
+        ]
+    lines += [
         "",
         "Every seed-0 trial: steps to the target / FLOPs to it / best held-out loss (`-`: not "
         "reached within the cap):",
@@ -246,11 +301,12 @@ def study_report(directory: str, trials: dict, study: dict) -> str:
     extensions, best = stage2_settings(every)
     lines += [
         "",
-        "Stage 2 by its rule (the config's `extensions` and `best`, committed before stage 2 "
-        "runs; arms whose grid has not finished are left out):",
+        "Stage 2 by its rule (the config's `extensions`, `best` and `fallback`, committed "
+        "before their trials run; arms whose grid has not finished are left out):",
         "",
         f"    extensions={extensions!r},",
         f"    best={best!r},",
+        f"    fallback={fallback!r},",
     ]
     plot_curves(directory, arms, study, target)
     plot_learning_rates(directory, every)

@@ -88,13 +88,14 @@ def test_the_step_flops_are_lambjaxs_own_count():
         assert module.pld_layers(study, step) == pytest.approx(expected, rel=1e-6)
 
 
-def test_stage_two_adds_the_extensions_and_the_best_rates_seeds():
+def test_stage_two_adds_the_extensions_and_the_best_and_fallback_rates_seeds():
     module = study_module()
     stage1 = spec.trials(module.get_config("smoke"), module.get_sweep("smoke"))
     both = spec.trials(module.get_config("smoke"), module.get_sweep("smoke,stage2"))
     assert [t.name for t in both[len(stage1) :]] == [
         "arm=pld,lr=0.004,seed=0",
         "arm=postln,lr=0.001,seed=1",
+        "arm=mslt,lr=0.0005,seed=1",
     ]
 
 
@@ -157,6 +158,33 @@ def test_the_verdict_needs_three_seeds_and_a_gap_beyond_their_range():
         "| PostLN, MSLT stages | 0.001 | 1 | 0.490 (mean 0.490, range 0.000) | 1.02x "
         "| none yet (1 seed)" in table
     )
+
+
+def test_a_seed_that_misses_at_the_chosen_rate_sends_the_arm_to_the_rate_below():
+    every = [
+        point("postln", 5e-4, 0, 0.58),
+        point("postln", 1e-3, 0, 0.47),  # seed 0's best
+        point("postln", 1e-3, 1, math.inf),  # on the plateau to its cap
+        point("postln", 1e-3, 2, 0.50),
+        point("postln", 2e-3, 0, math.inf),
+        point("pld", 1e-3, 0, 0.55),
+        point("pld", 1e-3, 1, 0.57),
+        point("pld", 1e-3, 2, 0.53),
+    ]
+    assert equal_compute.fallback_settings(every) == {"postln": 5e-4}
+    table = equal_compute.comparison_table(equal_compute.chosen(every))
+    assert "| PostLN (baseline) | 0.001 | 3 | 0.470, -, 0.500 (mean -, range -) " in table
+    assert "| - | 2 of 3 seeds reached the target |" in table
+    assert "| PreLN + PLD | 0.001 | 3 | 0.550, 0.570, 0.530 (mean 0.550, range 0.040) " in table
+    assert "| - | - (a baseline seed missed) |" in table
+    # The rate below, once its seeds have run: every seed reaches, so it is the reading.
+    every += [point("postln", 5e-4, 1, 0.60), point("postln", 5e-4, 2, 0.62)]
+    arms = equal_compute.reliable(every)
+    assert [p["lr"] for p in arms["postln"]] == [5e-4] * 3 and arms["pld"][0]["lr"] == 1e-3
+    table = equal_compute.comparison_table(arms)
+    # Baseline mean 0.600 (range 0.040), PLD 0.550 (range 0.040): 0.050 beyond the range.
+    assert "| PreLN + PLD | 0.001 | 3 | 0.550, 0.570, 0.530 (mean 0.550, range 0.040) " in table
+    assert "| 1.09x | better |" in table
 
 
 def test_stage_two_follows_the_rule_from_stage_ones_grid():
