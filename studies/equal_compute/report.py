@@ -267,13 +267,14 @@ def study_report(directory: str, trials: dict, study: dict) -> str:
     ]
     fallback = fallback_settings(every)
     if fallback:
+        full = reliable(every)
         lines += [
             "",
             "A seed missed the target at a chosen rate, so the rule ran the rate below it with "
             "every seed too. Each arm at its fastest rate that every seed reached (an arm "
             "without one is left out):",
             "",
-            comparison_table(reliable(every)),
+            comparison_table(full) if full else "(none yet: no rate has 3 seeds that all did)",
         ]
     lines += [
         "",
