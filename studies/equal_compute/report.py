@@ -209,6 +209,8 @@ def comparison_table(arms: dict[str, list[dict]]) -> str:
         reached = sum(math.isfinite(p["flops"]) for p in runs)
         if reached < len(runs):
             verdict = f"{reached} of {len(runs)} seeds reached the target"
+        elif arm != "postln" and not base:
+            verdict = "none yet (no baseline rate)"
         elif arm != "postln" and seeds < curves.MIN_SEEDS:
             verdict = f"none yet ({seeds} seed{'s' if seeds != 1 else ''})"
         elif arm != "postln" and not math.isfinite(base_mean):

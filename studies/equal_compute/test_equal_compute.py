@@ -172,6 +172,10 @@ def test_a_seed_that_misses_at_the_chosen_rate_sends_the_arm_to_the_rate_below()
         point("pld", 1e-3, 2, 0.53),
     ]
     assert equal_compute.fallback_settings(every) == {"postln": 5e-4}
+    assert "postln" not in equal_compute.reliable(every)  # 5e-4 has one seed so far
+    assert "| none yet (no baseline rate) |" in equal_compute.comparison_table(
+        equal_compute.reliable(every)
+    )
     table = equal_compute.comparison_table(equal_compute.chosen(every))
     assert "| PostLN (baseline) | 0.001 | 3 | 0.470, -, 0.500 (mean -, range -) " in table
     assert "| - | 2 of 3 seeds reached the target |" in table
