@@ -48,12 +48,10 @@ from train_step import (
 from lambjax import distributed, xla_flags
 from lambjax.models import attention
 from lambjax.models.config import PRESETS, BertConfig
-from lambjax.models.params import init_params
 from lambjax.train import layout
 from lambjax.train import step as step_lib
 from lambjax.train.config import OPTIMIZERS, optimizer_config
 from lambjax.train.optimizer import make_optimizer
-from lambjax.train.state import TrainState
 from lambjax.train.throughput import peak_flops_per_device, train_step_flops
 
 PHASES = {"1": (128, 20, 64), "2": (512, 80, 8)}  # sequence, predictions, recipe micro-batch
@@ -110,13 +108,8 @@ def lambjax_seconds(case: Case, config: BertConfig, args) -> float:
         donate_argnums=(0,),
     )
 
-    def init_state(key):
-        return TrainState.create(init_params(config, key), optimizer)
-
     replicated = NamedSharding(mesh, PartitionSpec())
-    state = jax.jit(init_state, out_shardings=replicated)(jax.random.key(0))
-    if layout.per_layer(config):  # as the trainer's steps hold it, converted in its own jit
-        state = jax.jit(lambda s: layout.to_running(s, 0), out_shardings=replicated)(state)
+    state = layout.fresh_state(config, optimizer, jax.random.key(0), replicated)
     global_batch = case.batch_per_device * jax.device_count() * case.grad_accum
     batch = random_batch(global_batch, seq, predictions)
     batch = jax.device_put(batch, NamedSharding(mesh, PartitionSpec("data")))

@@ -47,11 +47,9 @@ from benchmarks import kernel_check, trace_summary
 from lambjax import distributed, xla_flags
 from lambjax.models import attention
 from lambjax.models.config import PRESETS, BertConfig
-from lambjax.models.params import init_params
 from lambjax.train import layout
 from lambjax.train import step as step_lib
 from lambjax.train.optimizer import make_optimizer
-from lambjax.train.state import TrainState
 from lambjax.train.throughput import peak_flops_per_device, train_step_flops
 
 PHASES = {1: (128, 20), 2: (512, 80)}  # sequence length, masked predictions per sequence
@@ -197,13 +195,8 @@ def time_step(report: Report, args, case: StepCase, profile: bool) -> dict:
     )
     step = jax.jit(functools.partial(step_lib.train_step, settings=settings), donate_argnums=(0,))
 
-    def init_state(key):
-        return TrainState.create(init_params(config, key), optimizer)
-
     replicated = NamedSharding(mesh, PartitionSpec())
-    state = jax.jit(init_state, out_shardings=replicated)(jax.random.key(0))
-    if layout.per_layer(config):  # as the trainer's steps hold it, converted in its own jit
-        state = jax.jit(lambda s: layout.to_running(s, 0), out_shardings=replicated)(state)
+    state = layout.fresh_state(config, optimizer, jax.random.key(0), replicated)
     sequences = case.batch * jax.device_count() * case.grad_accum
     batch = random_batch(np.random.default_rng(0), sequences, seq, predictions, args.vocab_size)
     batch = jax.device_put(batch, NamedSharding(mesh, PartitionSpec("data")))
