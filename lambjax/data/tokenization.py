@@ -82,6 +82,15 @@ def read_vocab(vocab_file: str) -> dict[str, int]:
     return {token: index for index, token in enumerate(lines)}
 
 
+def vocabulary_is_cased(vocab_file: str) -> bool:
+    """A vocabulary is cased if any of its ordinary tokens has an upper-case letter."""
+    for token in read_vocab(vocab_file):  # DataError unless UTF-8 text
+        token = token.strip()
+        if not (token.startswith("[") and token.endswith("]")) and token != token.lower():
+            return True
+    return False
+
+
 def from_vocab(vocab: dict[str, int], lower_case: bool) -> tokenizers.Tokenizer:
     return tokenizers.BertWordPieceTokenizer(vocab, lowercase=lower_case)
 

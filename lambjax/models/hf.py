@@ -145,17 +145,30 @@ def _leaf_names(kind):
 
 def from_transformers(path: str) -> tuple[BertConfig, dict]:
     """Imports a transformers BERT checkpoint directory; returns (config, params)."""
+    config, params, missing = read_transformers(path)
+    warn_initialised(path, missing)
+    return config, params
+
+
+def read_transformers(path: str, where: str | None = None) -> tuple[BertConfig, dict, list[str]]:
+    """(config, params, names of the weights it lacks, which were initialised) of the local
+    transformers BERT directory `path` (BertModel, BertForPreTraining, or a fine-tuned BERT:
+    its task head is not read); errors name `where` (default: `path`)."""
     with open(os.path.join(path, "config.json"), encoding="utf-8") as f:
         config = config_from_hf(json.load(f))
-    params, missing = params_from_state(config, load_state_dict(path), path)
+    params, missing = params_from_state(config, load_state_dict(path), where or path)
+    return config, params, missing
+
+
+def warn_initialised(where: str, missing: list[str] | tuple[str, ...]) -> None:
+    """Logs which weights a checkpoint lacked (and were initialised), if any."""
     if missing:
         logging.warning(
             "%s: %d weights not in the checkpoint were initialised: %s",
-            path,
+            where,
             len(missing),
             ", ".join(sorted({m.split(".")[0] for m in missing})),
         )
-    return config, params
 
 
 def params_from_state(
