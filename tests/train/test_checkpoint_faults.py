@@ -130,7 +130,7 @@ def test_export_and_fine_tuning_refuse_a_checkpoint_whose_arrays_changed(tmp_pat
     assert "phase1/2" in line and "params/w differs from what was saved" in line
     # Fine-tuning starts from the phase's final checkpoint (step 2) or not at all.
     with pytest.raises(FinetuneError) as refused:
-        init.from_workdir(workdir)
+        init.load(f"workdir:{workdir}")
     message = str(refused.value)
     assert "\n" not in message
     assert f"{tmp_path}/checkpoints/phase1/2 cannot be used (IntegrityError: " in message

@@ -3,7 +3,10 @@ heads, vocabulary, casing, shape). The whole path as a run takes it, from an exp
 tests/train/test_published_runs.py; the one-line errors of the command: tests/test_bad_inputs.py.
 """
 
+import ast
 import dataclasses
+import pathlib
+import sys
 
 import jax
 import numpy as np
@@ -100,3 +103,21 @@ def test_the_initial_parameters_take_the_phases_dtypes(checkpoint):
     wider = jax.eval_shape(lambda key: init_params(wider_model, key), jax.random.key(0))
     with pytest.raises(ConfigError, match=r"shape \(64, 128\) where the config's model has"):
         published.initial_params(start, wider)
+
+
+def test_train_imports_nothing_from_finetune(checkpoint, monkeypatch):
+    """Fine-tuning builds on pretraining's reader, never the other way round."""
+    package = pathlib.Path(published.__file__).parent
+    upward = []
+    for path in sorted(package.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            if isinstance(node, ast.ImportFrom) and node.module:
+                names = [node.module, *(f"{node.module}.{a.name}" for a in node.names)]
+            upward += [f"{path.name}: {n}" for n in names if n.startswith("lambjax.finetune")]
+    assert not upward
+
+    for name in [m for m in sys.modules if m.startswith("lambjax.finetune")]:
+        monkeypatch.setitem(sys.modules, name, None)
+    monkeypatch.setitem(sys.modules, "lambjax.finetune", None)  # importing it fails
+    assert published.load(f"hf:{checkpoint[0]}").heads == "MLM and NSP heads from it"
