@@ -58,7 +58,7 @@ def compiled_step(model_config, accum: int, noise_scale: bool, state, example):
         optimizer=optimizer,
         schedule=optax.constant_schedule(1e-3),
         grad_accum_steps=accum,
-        noise_scale=noise_scale,
+        options=step_lib.StepOptions(noise_scale_ema_decay=0.95 if noise_scale else None),
     )
     step = jax.jit(functools.partial(step_lib.train_step, settings=settings))
     return step.lower(state, example, jax.random.key(0)).compile()

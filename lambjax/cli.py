@@ -71,16 +71,6 @@ def start_run(argv: list[str]) -> None:
     distributed.initialize(values.coordinator_address, values.num_processes, values.process_id)
 
 
-def keep_data_with_run(config, workdir: str) -> None:
-    """A config that names no `data.data_dir` keeps its vocabulary and datasets with its run,
-    in WORKDIR/data, so that deleting the workdir starts over; data shared by several runs
-    is an explicit `--config.data.data_dir`."""
-    from lambjax import storage
-
-    if not config.data.data_dir:
-        config.data.data_dir = f"{storage.resolve(workdir).rstrip('/')}/data"
-
-
 class ConfigCodeError(ValueError):
     """A config file's own code failed: importing it, or its get_config / get_sweep. The
     message names the file and the exception; `details` is the traceback."""

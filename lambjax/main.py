@@ -53,7 +53,6 @@ def main(argv):
         jax.device_count(),
         jax.devices()[0].device_kind,
     )
-    cli.keep_data_with_run(_CONFIG.value, _WORKDIR.value)
     try:
         trainer.train_and_evaluate(_CONFIG.value, _WORKDIR.value)
     except user_errors as error:  # one line (per differing field), not a traceback

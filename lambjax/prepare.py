@@ -54,22 +54,22 @@ def main(argv):
             "give --workdir=DIR (the run's data goes in DIR/data, where `lambjax.main "
             "--workdir=DIR` finds it) or --config.data.data_dir=DIR (data shared by runs)",
         )
-    if _WORKDIR.value:
-        cli.keep_data_with_run(config, _WORKDIR.value)
     from lambjax import data
     from lambjax.data import beam_build, builder
+    from lambjax.train import plan
 
+    data_config = plan.run_data(config, workdir=_WORKDIR.value)  # WORKDIR/data by default
     lengths = sorted({config.phases[name].max_seq_length for name in config.phase_order})
-    data_dir = config.data.data_dir
+    data_dir = data_config.data_dir
     built = []
     try:
-        for flag, path in data.paths(config.data):
+        for flag, path in data.paths(data_config):
             storage.check_reachable(path, flag)
     except storage.StorageError as error:
         cli.fail(PROGRAM, str(error))
     try:
         beam_build.pipeline_options(_BEAM_OPTIONS.value, num_units=1)  # fail before any work
-        data.check_config(config.data)
+        data.check_config(data_config)
         console.log_to_file(data_dir, "prepare.log")
     except data.DataError as error:
         cli.fail(PROGRAM, str(error))
@@ -77,7 +77,7 @@ def main(argv):
         cli.fail(PROGRAM, f"--config.data.data_dir={data_dir}: {storage.reason(error)}")
     try:
         prepared = data.prepare_all(
-            config.data,
+            data_config,
             lengths,
             beam_options=_BEAM_OPTIONS.value,
             on_summary=lambda summary: built.append(builder.summary_line(summary, data_dir)),

@@ -68,7 +68,7 @@ def test_the_plan_refuses_a_value_out_of_range(group, field, value, valid):
     config = demo()
     group(config)[field] = value
     with pytest.raises(config_lib.ConfigError, match=f"{field}={value!r} {valid}"):
-        plan_lib.check(config, num_devices=1)
+        plan_lib.resolve(config, num_devices=1)
 
 
 def test_layer_drop_settings_are_checked_when_enabled():
@@ -77,12 +77,14 @@ def test_layer_drop_settings_are_checked_when_enabled():
     config.layer_drop.enabled = True
     config.layer_drop.gamma = NAN
     with pytest.raises(config_lib.ConfigError, match=r"gamma=nan must be a finite number >= 0"):
-        plan_lib.check(config, num_devices=1)
+        plan_lib.resolve(config, num_devices=1)
 
 
 def test_every_recipe_passes_the_early_check():
     for name in ("default.py", "bert_lamb.py:large", "bert_lans.py:large,runlocal"):
-        plan_lib.check(cli.load_config(os.path.join(helpers.REPO, "configs", name)), num_devices=8)
+        plan_lib.resolve(
+            cli.load_config(os.path.join(helpers.REPO, "configs", name)), num_devices=8
+        )
 
 
 FINETUNE_CASES = [

@@ -150,8 +150,8 @@ def plan(config: ml_collections.ConfigDict) -> ChunkedAccumulationPlan | None:
 
 
 def check(config: ml_collections.ConfigDict, phases) -> None:
-    """The einsum attention, whose matmuls the method emulates: a fused kernel (or 'auto',
-    which may pick one) is refused."""
+    """The einsum attention, whose matmuls the method emulates: a fused kernel (also one
+    that 'auto' picks on the plan's platform) is refused."""
     if plan(config) is None:
         return
     for phase in phases:

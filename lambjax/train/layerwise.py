@@ -129,12 +129,13 @@ def check(phases) -> None:
     grow the encoder, and one that changes what trains starts a fresh optimizer state."""
     for phase in phases:
         where, depth = f"config.phases.{phase.name}", phase.model.num_layers
-        if not 0 <= phase.num_frozen_layers < depth:
+        frozen, train_decoder = phase.step.num_frozen_layers, phase.step.train_decoder
+        if not 0 <= frozen < depth:
             raise ValueError(
-                f"{where}.frozen_layers={phase.num_frozen_layers} must lie in [0, {depth}) for "
+                f"{where}.frozen_layers={frozen} must lie in [0, {depth}) for "
                 f"its {depth} layers (at least the top layer trains)"
             )
-        if phase.train_decoder and not phase.num_frozen_layers:
+        if train_decoder and not frozen:
             raise ValueError(
                 f"{where}.train_decoder=True, but the phase freezes no layers "
                 f"(frozen_layers=0), so its decoder trains already; set it only on a stage "
@@ -151,14 +152,14 @@ def check(phases) -> None:
             )
         changed = (
             depth != previous_depth
-            or phase.num_frozen_layers != previous.num_frozen_layers
-            or phase.train_decoder != previous.train_decoder
+            or frozen != previous.step.num_frozen_layers
+            or train_decoder != previous.step.train_decoder
         )
         if changed and phase.optimizer_state == "keep":
             raise ValueError(
                 f"{where} changes the trained parameters (depth {previous_depth} -> {depth}, "
-                f"frozen {previous.num_frozen_layers} -> {phase.num_frozen_layers}, "
-                f"decoder trained {previous.train_decoder} -> {phase.train_decoder}), so the "
+                f"frozen {previous.step.num_frozen_layers} -> {frozen}, "
+                f"decoder trained {previous.step.train_decoder} -> {train_decoder}), so the "
                 f"optimizer state cannot be kept: set {where}.optimizer_state='reset'"
             )
 

@@ -62,7 +62,7 @@ def check(enabled: bool, phases) -> None:
                 f"{phase.name!r} has grad_accum_steps={phase.batch.grad_accum_steps}; valid: "
                 "2 or more (set config.phases.NAME.grad_accum_steps)"
             )
-        if phase.gradient_reduction == "once" and phase.mesh["data"] > 1:
+        if phase.step.gradient_reduction == "once" and phase.mesh["data"] > 1:
             raise ValueError(
                 f"config.noise_scale.enabled=True with gradient_reduction='once' and mesh "
                 f"data={phase.mesh['data']} (phase {phase.name!r}): each data shard's "

@@ -26,14 +26,12 @@ from absl import logging
 
 from lambjax import data as data_lib
 from lambjax import optim, sharding
-from lambjax.models import attention
 from lambjax.models.config import BertConfig
 from lambjax.models.params import init_params, param_logical_axes
 from lambjax.train import checkpointing, layerwise, layout, published
 from lambjax.train import optimizer as optimizer_lib
 from lambjax.train import state as state_lib
 from lambjax.train import step as step_lib
-from lambjax.train.config import ConfigError
 from lambjax.train.plan import PhasePlan, RunPlan
 from lambjax.train.state import TrainState
 
@@ -66,7 +64,11 @@ class Phase:
 
     @property
     def num_frozen_layers(self) -> int:
-        return self.plan.num_frozen_layers
+        return self.plan.step.num_frozen_layers
+
+    @property
+    def train_decoder(self) -> bool:
+        return self.plan.step.train_decoder
 
     def init_state(self, rng: jax.Array) -> TrainState:
         params = init_params(self.model_config, rng)
@@ -79,7 +81,7 @@ class Phase:
             self.optimizer,
             self.num_frozen_layers,
             opt_state=opt_state,
-            train_decoder=self.plan.train_decoder,
+            train_decoder=self.train_decoder,
         )
         if self.plan.step_method is None:
             return state
@@ -88,7 +90,7 @@ class Phase:
     def init_optimizer(self, params):
         """A fresh optimizer state for this phase's trainable view of `params`."""
         return state_lib.init_optimizer_state(
-            self.optimizer, params, self.num_frozen_layers, self.plan.train_decoder
+            self.optimizer, params, self.num_frozen_layers, self.train_decoder
         )
 
     @functools.cached_property
@@ -112,7 +114,7 @@ class Phase:
             mesh=self.mesh,
             optimizer=self.optimizer,
             num_frozen_layers=self.num_frozen_layers,
-            train_decoder=self.plan.train_decoder,
+            train_decoder=self.train_decoder,
         )
         method = self.plan.step_method
         if method is None:
@@ -135,7 +137,7 @@ class Phase:
             mesh=self.mesh,
             optimizer=self.optimizer,
             num_frozen_layers=self.num_frozen_layers,
-            train_decoder=self.plan.train_decoder,
+            train_decoder=self.train_decoder,
         )
 
     def abstract_state(self) -> TrainState:
@@ -194,9 +196,8 @@ class Phase:
 
 
 def build_phase(plan: PhasePlan, prepared: data_lib.Prepared) -> Phase:
-    """The phase of `plan` on this machine: its model's platform choices made
-    (`for_platform`), its mesh over this machine's devices, its schedule and optimizer."""
-    plan = dataclasses.replace(plan, model=for_platform(plan, jax.default_backend()))
+    """The phase of `plan` on this machine: its mesh over this machine's devices, its
+    schedule and optimizer."""
     schedule = optimizer_lib.learning_rate_schedule(plan.schedule)
     return Phase(
         plan=plan,
@@ -205,25 +206,6 @@ def build_phase(plan: PhasePlan, prepared: data_lib.Prepared) -> Phase:
         schedule=schedule,
         optimizer=optimizer_lib.make_optimizer(plan.optimizer, schedule),
     )
-
-
-def for_platform(plan: PhasePlan, platform: str) -> BertConfig:
-    """The phase's model as it runs on `platform` ('cpu', 'gpu', 'tpu'): attention 'auto'
-    decided (lambjax.models.attention), and on a GPU the layers unrolled unless the config
-    sets `model.overrides.scan_layers` (the faster form there: docs/performance.md)."""
-    model = plan.model
-    if platform == "gpu" and plan.scan_layers_by_platform:
-        model = dataclasses.replace(model, scan_layers=False)
-    try:
-        return attention.resolve(model, platform)
-    except ValueError as e:  # an attention kernel this platform does not have
-        raise ConfigError(f"config.model (phase {plan.name!r}): {e}") from None
-
-
-def check_platform(run_plan: RunPlan) -> None:
-    """Every phase's model runs on this machine (before any data is prepared)."""
-    for plan in run_plan.phases:
-        for_platform(plan, jax.default_backend())
 
 
 def prepare_vocabulary(data_config) -> data_lib.Vocabulary:
@@ -303,16 +285,16 @@ def initial_state(
     workdir: str,
     phase: Phase,
     ckpt: checkpointing.PhaseCheckpoints,
-    init_state: Callable,
-    init_optimizer: Callable,
+    compiled,
     start: published.Published | None = None,
 ):
     """(state at rest, data iterator state or None, step) by the restore order above.
 
-    `init_state(rng)` and `init_optimizer(params)` are the phase's initialisers as the
-    trainer compiled them (sharded outputs, at rest); `start` is the published model the
-    run starts from, if any.
+    `compiled` holds the phase's initialisers as the trainer compiled them
+    (lambjax.train.loop.CompiledSteps: `init_state(rng)` and `init_optimizer(params)`, sharded
+    outputs, at rest); `start` is the published model the run starts from, if any.
     """
+    init_optimizer = compiled.init_optimizer
     restored = ckpt.restore_latest(phase.abstract_state())
     if restored is not None:
         logging.info("Phase %s: resuming from its checkpoint at step %d", phase.name, restored.step)
@@ -322,7 +304,7 @@ def initial_state(
     if start is not None:
         return from_published(start, phase, init_optimizer), None, 0
     logging.info("Phase %s: initialising from scratch (seed %d)", phase.name, run_plan.seed)
-    return init_state(jax.random.key(run_plan.seed)), None, 0
+    return compiled.init_state(jax.random.key(run_plan.seed)), None, 0
 
 
 def from_previous_phase(run_plan: RunPlan, workdir: str, phase: Phase, init_optimizer: Callable):

@@ -1,12 +1,15 @@
 """The config resolved once: a run plan, and one typed, frozen plan per phase.
 
-`resolve(config, vocab_size=..., num_devices=..., process_count=...)` reads the
-ml_collections config (and the size of the vocabulary the data uses) exactly once, checks
-it, and returns a `RunPlan`: the run's settings and, in `phases`, a `PhasePlan` per phase
-with everything the code below needs (model, optimizer and schedule, mesh, batch geometry,
-data options, the variants' settings). Nothing downstream reads the config again; growing
-from the previous phase reads `PhasePlan.previous`. `check(config, num_devices=...,
-process_count=...)` runs the same checks before the vocabulary exists, a run's first step.
+`resolve(config, num_devices=..., process_count=..., num_slices=..., platform=...,
+workdir=..., start=...)` is the one reading of the ml_collections config: it checks every
+field and returns a frozen `RunPlan`, the run's settings and, in `phases`, a `PhasePlan` per
+phase with everything the code below needs (model as it runs on the platform, optimizer and
+schedule, mesh, batch geometry, the train step's options, packing). The config is not
+changed: where the run keeps its data and which vocabulary a published start brings are
+plan fields (`RunPlan.data`). Nothing downstream reads the config again; growing from the
+previous phase reads `PhasePlan.previous`. The one fact that joins the plan later is the
+size of a vocabulary trained on the corpus (`RunPlan.with_vocab_size`): no check depends on
+it, and the plan is resolved before any data or vocabulary work.
 
 Checks live beside their feature and are collected here, in one pass, before anything is
 built: the run's and the phases' own fields in lambjax.train.plan_checks; progressive layer
@@ -14,27 +17,36 @@ dropping in lambjax.train.layer_drop; multi-stage layerwise training in
 lambjax.train.layerwise; the standardization loss in lambjax.models.standardization; a step
 method's (`config.step_method`, lambjax.train.method) in its own module; packing in
 lambjax.data.packing; the data fields in lambjax.data.builder.check_config; the PRNG
-implementation in lambjax.train.prng; the gradient's reduction in lambjax.train.reduction.
-Numbers are checked against their interval (lambjax.ranges), so that NaN and inf are
-refused too. Each raises `ConfigError` (a ValueError) naming the
+implementation in lambjax.train.prng; the gradient's reduction in lambjax.train.reduction;
+the tracking backends in lambjax.train.tracking; a published start's vocabulary and shape in
+lambjax.train.published. Numbers are checked against their interval (lambjax.ranges), so
+that NaN and inf are refused too. Each raises `ConfigError` (a ValueError) naming the
 field, the value and what would be valid.
-
-A plan is the same on any machine: what depends on the platform (the attention kernel, the
-layer loop) is decided where the phase is built on it (lambjax.train.phases.for_platform).
 """
 
+import copy
 import dataclasses
 from collections.abc import Mapping
 
 import ml_collections
 
 from lambjax import data as data_lib
-from lambjax import sharding
+from lambjax import sharding, storage
 from lambjax.data import packing as packing_lib
-from lambjax.models import standardization
+from lambjax.models import attention, standardization
 from lambjax.models.config import BertConfig
-from lambjax.train import layer_drop, layerwise, noise_scale, plan_checks, prng, reduction
+from lambjax.train import (
+    layer_drop,
+    layerwise,
+    noise_scale,
+    plan_checks,
+    prng,
+    published,
+    reduction,
+    tracking,
+)
 from lambjax.train import method as method_lib
+from lambjax.train import step as step_lib
 from lambjax.train import target as target_lib
 from lambjax.train.config import OPTIMIZERS, ConfigError
 
@@ -102,24 +114,16 @@ class PhasePlan:
     step_offset: int  # optimizer steps of all earlier phases (TensorBoard x axis, PLD)
     num_steps: int
     batch: BatchGeometry
-    model: BertConfig  # at this phase's depth; attention 'auto' as the config gives it
-    # The config leaves model scan_layers to the platform (lambjax.train.phases.for_platform).
-    scan_layers_by_platform: bool
+    # At this phase's depth, as it runs on the plan's platform: its attention form and its
+    # layer loop decided (`for_platform`).
+    model: BertConfig
     optimizer: OptimizerPlan
     schedule: SchedulePlan
     optimizer_state: str  # at the phase's start: keep the previous moments, or reset
     mesh: Mapping[str, int]  # every mesh axis's size, -1 resolved
-    num_frozen_layers: int  # bottom layers not trained (a stage of MSLT)
-    train_decoder: bool  # with frozen layers: the tied MLM decoder trains (lambjax.train.layerwise)
-    layer_drop: layer_drop.LayerDrop | None
-    nsp_loss_weight: float  # 0 without next-sentence prediction
-    standardization_loss_weight: float  # 0: off
-    standardization_loss_site: str  # residual | preactivation (lambjax.models.standardization)
+    step: step_lib.StepOptions  # the core train step's objective and layer schemes
     step_method: method_lib.StepMethod | None  # None: the core train step (lambjax.train.step)
     packing: packing_lib.Packing | None  # training rows of several examples; None: one
-    gradient_reduction: str  # each_microbatch | once (lambjax.train.reduction)
-    # Per-step decay of the noise scale's averages (lambjax.train.noise_scale); None: off.
-    noise_scale_ema_decay: float | None
     previous: "PhasePlan | None"  # the phase before, whose final state this one starts from
     # The TPU slices each mesh axis spans (config.mesh.dcn; all 1 on one slice).
     mesh_dcn: Mapping[str, int] = dataclasses.field(default_factory=dict)
@@ -132,7 +136,10 @@ class RunPlan:
     phases: tuple[PhasePlan, ...]
     seed: int
     prng_impl: str  # the training keys' PRNG (lambjax.train.prng): threefry | rbg | unsafe_rbg
-    data: ml_collections.FrozenConfigDict  # lambjax.data.default_config() fields
+    # lambjax.data.default_config() fields, with the run's data_dir (WORKDIR/data unless the
+    # config names one) and a published start's vocabulary where data.vocab is "train".
+    data: ml_collections.FrozenConfigDict
+    tracking: ml_collections.FrozenConfigDict  # where metrics go besides TensorBoard
     log_every_steps: int
     eval_every_steps: int
     eval_batch_size: int
@@ -144,22 +151,62 @@ class RunPlan:
     max_consecutive_nonfinite_steps: int
     peak_flops_per_device: float  # 0: look up by device kind
     profile: bool
-    config_json: str  # the config as given, recorded with every checkpoint
+    # The config with the data fields above, recorded in WORKDIR/config.json and with every
+    # checkpoint (what a resume is compared with: lambjax.train.workdir).
+    config_json: str
     # The held-out metric that ends the run (lambjax.train.target); None: every phase to its end.
     target: target_lib.Target | None = None
+    # The models' vocab_size is the vocabulary's, which is built after the plan: until
+    # `with_vocab_size` gives it, the models hold a stand-in (no check depends on it).
+    vocab_size_from_data: bool = False
 
     @property
     def seq_lengths(self) -> list[int]:
         """The sequence lengths of the phases' datasets."""
         return sorted({phase.batch.max_seq_length for phase in self.phases})
 
+    def with_vocab_size(self, vocab_size: int) -> "RunPlan":
+        """The plan with the built vocabulary's size in every model, where the size was the
+        data's to give (`vocab_size_from_data`); otherwise the plan as it is."""
+        if not self.vocab_size_from_data:
+            return self
+        phases, previous = [], None
+        for phase in self.phases:
+            model = dataclasses.replace(phase.model, vocab_size=vocab_size)
+            previous = dataclasses.replace(phase, model=model, previous=previous)
+            phases.append(previous)
+        return dataclasses.replace(self, phases=tuple(phases), vocab_size_from_data=False)
+
+
+# The models' vocab_size until the vocabulary is built (RunPlan.vocab_size_from_data).
+_VOCAB_SIZE_STAND_IN = 8
+
 
 def resolve(
-    config, *, vocab_size: int, num_devices: int, process_count: int = 1, num_slices: int = 1
+    config,
+    *,
+    num_devices: int,
+    process_count: int = 1,
+    num_slices: int = 1,
+    platform: str = "cpu",
+    workdir: str | None = None,
+    start: "published.Published | None" = None,
+    vocab_size: int | None = None,
 ) -> RunPlan:
-    """The run plan of `config`, checked; raises ConfigError naming the first bad field."""
+    """The run plan of `config`, checked; raises ConfigError naming the first bad field.
+
+    The one reading of the config: nothing downstream reads it, and it is not changed.
+    `num_devices`, `process_count`, `num_slices` and `platform` ('cpu', 'gpu', 'tpu') are the
+    machine the run is planned for; `workdir` the run's (its data goes in WORKDIR/data unless
+    config.data.data_dir names a place); `start` the published model `config.init` names
+    (lambjax.train.published), whose shape, vocabulary and casing the run takes. The models'
+    vocab_size is `model.overrides.vocab_size`, the start's, `vocab_size` (the vocabulary's),
+    or, with none of them, the vocabulary's once it is built (`RunPlan.with_vocab_size`).
+    """
     plan_checks.check_run(config, process_count)
-    plan_checks.run_checks(lambda: data_lib.check_config(config.data))
+    plan_checks.run_checks(
+        lambda: data_lib.check_config(config.data), lambda: tracking.check(config.tracking)
+    )
     method = method_lib.load(config.step_method)
     plan_checks.run_checks(  # the variants' own settings, before the phase plans hold them
         lambda: layer_drop.check_settings(config.layer_drop),
@@ -173,21 +220,25 @@ def resolve(
     plan_checks.run_checks(
         lambda: spans.update(layerwise.schedule_spans(config.phases, config.phase_order))
     )
+    if start is not None:
+        vocab_size = start.model_config.vocab_size
+    from_data = vocab_size is None and "vocab_size" not in config.model.overrides
     step_method = method.plan(config) if method else None
     phases, previous, step_offset = [], None, 0
     for index, name in enumerate(config.phase_order):
         phase = _phase(
             config,
             name,
-            index,
-            step_offset,
-            previous,
-            spans[name],
-            step_method,
-            vocab_size,
-            num_devices,
-            process_count,
-            num_slices,
+            index=index,
+            step_offset=step_offset,
+            previous=previous,
+            schedule_span=spans[name],
+            step_method=step_method,
+            vocab_size=_VOCAB_SIZE_STAND_IN if vocab_size is None else vocab_size,
+            num_devices=num_devices,
+            process_count=process_count,
+            num_slices=num_slices,
+            platform=platform,
         )
         phases.append(phase)
         previous, step_offset = phase, step_offset + phase.num_steps
@@ -200,11 +251,15 @@ def resolve(
         lambda: reduction.check(config.gradient_reduction, phases),
         lambda: noise_scale.check(config.noise_scale.enabled, phases),
     )
+    data = run_data(config, workdir=workdir, start=start)
+    if start is not None:
+        published.check_model(start, phases[0].model)
     return RunPlan(
         phases=tuple(phases),
         seed=config.seed,
         prng_impl=config.prng_impl,
-        data=ml_collections.FrozenConfigDict(config.data),
+        data=ml_collections.FrozenConfigDict(data),
+        tracking=ml_collections.FrozenConfigDict(config.tracking),
         log_every_steps=config.log_every_steps,
         eval_every_steps=config.eval_every_steps,
         eval_batch_size=config.eval_batch_size,
@@ -216,40 +271,46 @@ def resolve(
         max_consecutive_nonfinite_steps=config.max_consecutive_nonfinite_steps,
         peak_flops_per_device=config.peak_flops_per_device,
         profile=config.profile,
-        config_json=config.to_json_best_effort(),
+        config_json=_with_data(config, data).to_json_best_effort(),
         target=target_lib.from_config(config.target),
+        vocab_size_from_data=from_data,
     )
 
 
-# What `check` gives the model for the vocabulary's size, which no check depends on.
-_VOCAB_SIZE_STAND_IN = 8
+def run_data(config, *, workdir: str | None = None, start=None) -> ml_collections.ConfigDict:
+    """`config.data` as the run uses it (a copy; the config is not changed): a config that
+    names no data_dir keeps its vocabulary and datasets with its run, in WORKDIR/data, so that
+    deleting the workdir starts over (data shared by several runs is an explicit
+    `--config.data.data_dir`); a run from a published model (`start`) takes its vocabulary."""
+    data = copy.deepcopy(config.data)
+    if not data.data_dir and workdir:
+        data.data_dir = f"{storage.resolve(workdir).rstrip('/')}/data"
+    if start is not None:
+        plan_checks.run_checks(lambda: setattr(data, "vocab", published.vocabulary(start, data)))
+    return data
 
 
-def check(config, *, num_devices: int, process_count: int = 1, num_slices: int = 1) -> None:
-    """Every check of `resolve`, before the vocabulary exists (a run's first step, before
-    any data or vocabulary work): the plan takes only the model's vocabulary size from the
-    data, and no check depends on it."""
-    resolve(
-        config,
-        vocab_size=_VOCAB_SIZE_STAND_IN,
-        num_devices=num_devices,
-        process_count=process_count,
-        num_slices=num_slices,
-    )
+def _with_data(config, data: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
+    """A copy of `config` whose data fields are `data`."""
+    recorded = copy.deepcopy(config)
+    recorded.data = data
+    return recorded
 
 
 def _phase(
     config,
-    name,
-    index,
-    step_offset,
-    previous,
-    schedule_span,
+    name: str,
+    *,
+    index: int,
+    step_offset: int,
+    previous: PhasePlan | None,
+    schedule_span: tuple[int, int],
     step_method,
-    vocab_size,
-    num_devices,
-    process_count,
-    num_slices,
+    vocab_size: int,
+    num_devices: int,
+    process_count: int,
+    num_slices: int,
+    platform: str,
 ) -> PhasePlan:
     phase, where = config.phases[name], f"config.phases.{name}"
     plan_checks.check_phase_fields(phase, where)
@@ -274,40 +335,37 @@ def _phase(
             f"{name!r}'s {batch.data_parallel} data-parallel devices (mesh data x fsdp); "
             f"valid: multiples of {batch.data_parallel}"
         )
-    drop = config.layer_drop
+    scan_by_platform = "scan_layers" not in config.model.overrides
     return PhasePlan(
         name=name,
         index=index,
         step_offset=step_offset,
         num_steps=phase.num_steps,
         batch=batch,
-        model=model,
-        scan_layers_by_platform="scan_layers" not in config.model.overrides,
+        model=for_platform(model, platform, scan_by_platform, name),
         optimizer=optimizer,
         schedule=_schedule(phase, schedule_span),
         optimizer_state=phase.optimizer_state,
         mesh=mesh,
         mesh_dcn=mesh_dcn,
-        num_frozen_layers=phase.frozen_layers,
-        train_decoder=phase.train_decoder,
-        layer_drop=(
-            layer_drop.LayerDrop(
-                drop.theta_bar, drop.gamma, step_offset=step_offset, depth_rule=drop.depth_rule
-            )
-            if drop.enabled
-            else None
-        ),
-        nsp_loss_weight=1.0 if config.data.next_sentence_prediction else 0.0,
-        standardization_loss_weight=config.standardization_loss.weight,
-        standardization_loss_site=config.standardization_loss.site,
+        step=step_lib.StepOptions.from_config(config, name, step_offset),
         step_method=step_method,
         packing=_packing(config.data, phase.max_seq_length),
-        gradient_reduction=config.gradient_reduction,
         previous=previous,
-        noise_scale_ema_decay=(
-            config.noise_scale.ema_decay if config.noise_scale.enabled else None
-        ),
     )
+
+
+def for_platform(model: BertConfig, platform: str, scan_by_platform: bool, name: str) -> BertConfig:
+    """`model` as phase `name` runs it on `platform` ('cpu', 'gpu', 'tpu'): attention 'auto'
+    decided (lambjax.models.attention), and on a GPU the layers unrolled where the config
+    leaves `model.overrides.scan_layers` to the platform (`scan_by_platform`; the faster form
+    there: docs/performance.md)."""
+    if platform == "gpu" and scan_by_platform:
+        model = dataclasses.replace(model, scan_layers=False)
+    try:
+        return attention.resolve(model, platform)
+    except ValueError as e:  # an attention kernel this platform does not have
+        raise ConfigError(f"config.model (phase {name!r}): {e}") from None
 
 
 def _schedule(phase, span: tuple[int, int]) -> SchedulePlan:

@@ -236,32 +236,34 @@ def _heads_found(missing: list[str]) -> str:
     return ", ".join(parts)
 
 
-def adopt_vocabulary(published: Published, data_config) -> None:
-    """Makes `data_config` use the checkpoint's vocabulary and casing; ConfigError if it
-    names others. `data.vocab="train"` (the default) means the checkpoint's vocab.txt."""
+def vocabulary(published: Published, data_config) -> str:
+    """The vocabulary file a run from `published` uses: its vocab.txt where `data.vocab` is
+    "train" (the default), else the one given, which must be the same file; ConfigError if
+    the config names another vocabulary or casing than the checkpoint's."""
     init = published.init
-    if data_config.vocab == "train":
+    vocab = data_config.vocab
+    if vocab == "train":
         if published.vocab_file is None:
             raise ConfigError(
                 f"config.init={init!r} has no vocab.txt; give its vocabulary as "
                 f"--config.data.vocab=FILE"
             )
-        data_config.vocab = published.vocab_file
+        vocab = published.vocab_file
     elif published.vocab_file is not None:
-        given = epath.Path(data_config.vocab)
+        given = epath.Path(vocab)
         if (
             not given.is_file()
             or given.read_bytes() != epath.Path(published.vocab_file).read_bytes()
         ):
             raise ConfigError(
-                f"config.data.vocab={data_config.vocab!r} is not the vocabulary of "
+                f"config.data.vocab={vocab!r} is not the vocabulary of "
                 f"config.init={init!r} ({published.vocab_file}); leave data.vocab='train' "
                 f"to use the checkpoint's"
             )
-    num_tokens = len(epath.Path(data_config.vocab).read_text(encoding="utf-8").splitlines())
+    num_tokens = len(epath.Path(vocab).read_text(encoding="utf-8").splitlines())
     if num_tokens > published.model_config.vocab_size:
         raise ConfigError(
-            f"config.data.vocab={data_config.vocab!r} has {num_tokens} tokens, more than the "
+            f"config.data.vocab={vocab!r} has {num_tokens} tokens, more than the "
             f"{published.model_config.vocab_size} embeddings of config.init={init!r}"
         )
     lower_case = published.lower_case
@@ -271,6 +273,7 @@ def adopt_vocabulary(published: Published, data_config) -> None:
             f"which was trained with lower_case={lower_case}; give "
             f"--config.data.lower_case={str(lower_case).lower()}"
         )
+    return vocab
 
 
 def check_model(published: Published, model: BertConfig) -> None:

@@ -52,11 +52,11 @@ def check(reduction: str, phases) -> None:
                 f"tensor={phase.mesh['tensor']} (phase {phase.name!r}) does not compile; valid "
                 "with fsdp or tensor at 1, else gradient_reduction='each_microbatch'"
             )
-        if phase.standardization_loss_weight > 0:
+        if phase.step.standardization_loss_weight > 0:
             raise ValueError(
                 "config.gradient_reduction='once' computes each micro-batch's statistics per "
                 "data shard, and the standardization loss "
-                f"(weight {phase.standardization_loss_weight}) needs them over the whole "
+                f"(weight {phase.step.standardization_loss_weight}) needs them over the whole "
                 "micro-batch: set gradient_reduction='each_microbatch'"
             )
 

@@ -19,7 +19,8 @@ to the objective. L_std is
 computed from each micro-batch's statistics and averaged over the micro-batches; it is
 logged as `standardization_loss` (unweighted), and `loss` stays the MLM + NSP loss.
 
-The step's settings are one `StepSettings`, built from the phase's plan in `StepSettings.of`.
+The step's settings are one `StepSettings`, built from the phase's plan in `StepSettings.of`;
+what the plan sets of the step beyond its model, optimizer and batch is one `StepOptions`.
 """
 
 import dataclasses
@@ -166,6 +167,56 @@ def update_norms(trainable, updates, opt_state) -> dict:
 
 
 @dataclasses.dataclass(frozen=True)
+class StepOptions:
+    """What a phase's plan sets of the core train step besides its model, optimizer, schedule
+    and accumulation (`PhasePlan.step`): the objective's terms and the layer schemes.
+
+    `from_config` reads them from the config while the plan is resolved (lambjax.train.plan),
+    and the step reads them here: a new option is its config default (lambjax.train.config),
+    its field and read below, and its use in `train_step`."""
+
+    nsp_loss_weight: float = 1.0  # 0 without next-sentence prediction
+    # Bottom layers not trained (a stage of MSLT, lambjax.train.layerwise); with frozen
+    # layers, `train_decoder` trains the tied MLM decoder through the output projection.
+    num_frozen_layers: int = 0
+    train_decoder: bool = False
+    layer_drop: LayerDrop | None = None  # progressive layer dropping (lambjax.train.layer_drop)
+    # lambda of the standardization loss (0: off) and its site (lambjax.models.standardization).
+    standardization_loss_weight: float = 0.0
+    standardization_loss_site: str = "residual"
+    # each_microbatch: XLA all-reduces each micro-batch's gradient inside the loop; once: each
+    # data shard accumulates unreduced and one sum follows the loop (lambjax.train.reduction).
+    gradient_reduction: str = "each_microbatch"
+    # Per-step decay of the gradient noise scale's averages (lambjax.train.noise_scale), whose
+    # per-step estimates the step then logs; None: off.
+    noise_scale_ema_decay: float | None = None
+
+    @classmethod
+    def from_config(cls, config, phase_name: str, step_offset: int) -> "StepOptions":
+        """The options of phase `phase_name`, whose first step is the run's `step_offset`;
+        each field's own check lives with its feature (lambjax.train.plan lists them)."""
+        phase, drop = config.phases[phase_name], config.layer_drop
+        return cls(
+            nsp_loss_weight=1.0 if config.data.next_sentence_prediction else 0.0,
+            num_frozen_layers=phase.frozen_layers,
+            train_decoder=phase.train_decoder,
+            layer_drop=(
+                LayerDrop(
+                    drop.theta_bar, drop.gamma, step_offset=step_offset, depth_rule=drop.depth_rule
+                )
+                if drop.enabled
+                else None
+            ),
+            standardization_loss_weight=config.standardization_loss.weight,
+            standardization_loss_site=config.standardization_loss.site,
+            gradient_reduction=config.gradient_reduction,
+            noise_scale_ema_decay=(
+                config.noise_scale.ema_decay if config.noise_scale.enabled else None
+            ),
+        )
+
+
+@dataclasses.dataclass(frozen=True)
 class StepSettings:
     """Everything the core train step takes but its (state, batch, rng)."""
 
@@ -173,20 +224,12 @@ class StepSettings:
     optimizer: optax.GradientTransformation
     schedule: optax.Schedule
     grad_accum_steps: int
-    nsp_loss_weight: float = 1.0
-    layer_drop: LayerDrop | None = None
-    num_frozen_layers: int = 0
-    train_decoder: bool = False
-    standardization_loss_weight: float = 0.0
-    standardization_loss_site: str = "residual"
-    # None: XLA all-reduces each micro-batch's gradient inside the loop; a mesh: each data
-    # shard of it accumulates unreduced and one sum follows the loop (lambjax.train.reduction).
-    reduce_once_on: jax.sharding.Mesh | None = None
+    options: StepOptions = StepOptions()
+    # The phase's mesh, over whose axis `data` a gradient reduced `once` is summed.
+    mesh: jax.sharding.Mesh | None = None
     # The layer stack's options the step starts from (a step method's matmuls, e.g.); the
     # frozen layers, the standardization site and PLD's draws are set on top of them.
     layer_options: LayerOptions = LayerOptions()
-    # Log the gradient noise scale's per-step estimates (lambjax.train.noise_scale).
-    noise_scale: bool = False
 
     @classmethod
     def of(
@@ -198,20 +241,13 @@ class StepSettings:
     ) -> "StepSettings":
         """The settings of the phase `plan`, with the optimizer, schedule and mesh built from
         it (lambjax.train.phases)."""
-        return cls(
-            model_config=plan.model,
-            optimizer=optimizer,
-            schedule=schedule,
-            grad_accum_steps=plan.batch.grad_accum_steps,
-            nsp_loss_weight=plan.nsp_loss_weight,
-            layer_drop=plan.layer_drop,
-            num_frozen_layers=plan.num_frozen_layers,
-            train_decoder=plan.train_decoder,
-            standardization_loss_weight=plan.standardization_loss_weight,
-            standardization_loss_site=plan.standardization_loss_site,
-            reduce_once_on=mesh if plan.gradient_reduction == "once" else None,
-            noise_scale=plan.noise_scale_ema_decay is not None,
-        )
+        return cls(plan.model, optimizer, schedule, plan.batch.grad_accum_steps, plan.step, mesh)
+
+    @property
+    def reduce_once_on(self) -> jax.sharding.Mesh | None:
+        """The mesh whose data shards reduce their gradient once per step; None: XLA reduces
+        each micro-batch's."""
+        return self.mesh if self.options.gradient_reduction == "once" else None
 
 
 def train_step(
@@ -219,50 +255,51 @@ def train_step(
 ) -> tuple[TrainState, dict]:
     """One optimizer step on one global batch. Returns the new state and scalar metrics."""
     model_config, grad_accum_steps = settings.model_config, settings.grad_accum_steps
-    layer_drop, num_frozen_layers = settings.layer_drop, settings.num_frozen_layers
-    train_decoder, nsp_loss_weight = settings.train_decoder, settings.nsp_loss_weight
-    standardization_loss_weight = settings.standardization_loss_weight
-    standardization_loss_site = settings.standardization_loss_site
-    reduce_once_on = settings.reduce_once_on
+    options, reduce_once_on = settings.options, settings.reduce_once_on
     mlm_total = jnp.maximum(jnp.sum(batch["masked_lm_weights"].astype(jnp.float32)), 1e-9)
     nsp_total = jnp.maximum(jnp.sum(pretraining.nsp_example_weights(batch)), 1.0)
     step_rng = jax.random.fold_in(rng, state.step)
     trainable, frozen = layerwise.split(
-        state.params, num_frozen_layers, train_decoder=train_decoder
+        state.params, options.num_frozen_layers, train_decoder=options.train_decoder
     )
-    stat_keys = STAT_KEYS + (("layers_run_sum",) if layer_drop else ())
-    standardize = standardization_loss_weight > 0
+    stat_keys = STAT_KEYS + (("layers_run_sum",) if options.layer_drop else ())
+    standardize = options.standardization_loss_weight > 0
     if standardize:
         stat_keys += ("standardization_loss",)
 
     def loss_fn(trainable, microbatch, microbatch_rng):
-        options = dataclasses.replace(
+        layer_options = dataclasses.replace(
             settings.layer_options,
-            num_frozen_layers=num_frozen_layers,
-            standardization_site=standardization_loss_site if standardize else None,
+            num_frozen_layers=options.num_frozen_layers,
+            standardization_site=options.standardization_loss_site if standardize else None,
         )
-        if layer_drop is not None:  # its own stream: dropout keys stay those of the baseline
+        if options.layer_drop is not None:  # its own stream: dropout keys stay the baseline's
             pld_rng = jax.random.fold_in(microbatch_rng, _LAYER_DROP_STREAM)
-            keep, scale = layer_drop.sample(pld_rng, state.step, model_config.num_layers)
-            options = dataclasses.replace(options, keep=keep, scale=scale)
+            keep, scale = options.layer_drop.sample(pld_rng, state.step, model_config.num_layers)
+            layer_options = dataclasses.replace(layer_options, keep=keep, scale=scale)
         stats = pretraining.pretraining_stats(
             model_config,
             layerwise.merge(trainable, frozen),
             microbatch,
             dropout_rng=reduction.shard_dropout_key(microbatch_rng, reduce_once_on),
-            options=options,
+            options=layer_options,
         )
-        if layer_drop is not None:
-            stats["layers_run_sum"] = jnp.sum(options.keep.astype(jnp.float32))
-        loss = stats["mlm_loss_sum"] / mlm_total + nsp_loss_weight * (
+        if options.layer_drop is not None:
+            stats["layers_run_sum"] = jnp.sum(layer_options.keep.astype(jnp.float32))
+        loss = stats["mlm_loss_sum"] / mlm_total + options.nsp_loss_weight * (
             stats["nsp_loss_sum"] / nsp_total
         )
         if standardize:
-            loss += standardization_loss_weight * stats["standardization_loss"] / grad_accum_steps
+            loss += (
+                options.standardization_loss_weight
+                * stats["standardization_loss"]
+                / grad_accum_steps
+            )
         return loss, stats
 
     grad_fn = jax.grad(loss_fn, has_aux=True)
-    if settings.noise_scale:  # each micro-batch's squared gradient norm, summed
+    noise_scale_on = options.noise_scale_ema_decay is not None
+    if noise_scale_on:  # each micro-batch's squared gradient norm, summed
         grad_fn = noise_scale.with_sq_norm(grad_fn)
         stat_keys += (noise_scale.MICROBATCH_SQ_NORM,)
 
@@ -273,13 +310,18 @@ def train_step(
         accumulate = reduction.reduce_once(accumulate, reduce_once_on, STAT_KEYS)
     grads, stats = accumulate(trainable, batch, step_rng)
     metrics = metrics_from_stats(stats)
-    loss = metrics["mlm_loss"] + nsp_loss_weight * metrics["nsp_loss"]
+    loss = metrics["mlm_loss"] + options.nsp_loss_weight * metrics["nsp_loss"]
     objective = loss
     if standardize:
         metrics["standardization_loss"] = stats["standardization_loss"] / grad_accum_steps
-        objective = loss + standardization_loss_weight * metrics["standardization_loss"]
+        objective = loss + options.standardization_loss_weight * metrics["standardization_loss"]
     new_state, update_metrics = apply_if_finite(
-        state, grads, objective, settings.optimizer, num_frozen_layers, train_decoder
+        state,
+        grads,
+        objective,
+        settings.optimizer,
+        options.num_frozen_layers,
+        options.train_decoder,
     )
     metrics = train_metrics(
         metrics, loss, state, new_state, update_metrics, schedule=settings.schedule
@@ -291,11 +333,11 @@ def train_step(
 def _optional_metrics(settings: StepSettings, step, stats, update_metrics, batch) -> dict:
     """PLD's keep probability and layers run, and the noise scale's per-step estimates,
     where the run has them."""
-    metrics = {}
-    if settings.layer_drop is not None:
-        metrics["pld_theta"] = settings.layer_drop.theta(step)
+    metrics, options = {}, settings.options
+    if options.layer_drop is not None:
+        metrics["pld_theta"] = options.layer_drop.theta(step)
         metrics["pld_layers_run"] = stats["layers_run_sum"] / settings.grad_accum_steps
-    if settings.noise_scale:
+    if options.noise_scale_ema_decay is not None:
         global_batch = batch["masked_lm_weights"].shape[0]
         metrics.update(
             noise_scale.step_estimates(

@@ -113,7 +113,7 @@ def phase_step_flops(plan: "PhasePlan") -> int:
         plan.batch.global_batch_size,
         plan.batch.max_seq_length,
         plan.batch.max_predictions_per_seq,
-        num_frozen_layers=plan.num_frozen_layers,
+        num_frozen_layers=plan.step.num_frozen_layers,
     )
 
 

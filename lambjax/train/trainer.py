@@ -10,6 +10,7 @@ An evaluation that reaches `config.target` (lambjax.train.target) saves and ends
 """
 
 import dataclasses
+import json
 import time
 
 import jax
@@ -71,15 +72,17 @@ def compile_steps(phase: Phase) -> loop.CompiledSteps:
 def train_and_evaluate(config, workdir: str) -> dict:
     """Runs the remaining phases; returns the last phase's final evaluation metrics."""
     workdir = storage.resolve(workdir)
-    devices = dict(
+    start = published.load(config.init) if config.init else None
+    run_plan = plan_lib.resolve(  # every check, before anything is written
+        config,
         num_devices=jax.device_count(),
         process_count=jax.process_count(),
         num_slices=sharding.slice_count(jax.devices()),
+        platform=jax.default_backend(),
+        workdir=workdir,
+        start=start,
     )
-    plan_lib.check(config, **devices)  # before anything is written
-    tracking.check(config.tracking)
-    start = published_start(config)  # before the workdir check: it may set data.vocab
-    workdir_lib.check(config.to_json_best_effort(), workdir)
+    workdir_lib.check(run_plan.config_json, workdir)
     console.log_to_file(workdir, console.process_log_name("train", jax.process_index()))
     reached = target_lib.read(workdir)
     if reached is not None:
@@ -100,18 +103,16 @@ def train_and_evaluate(config, workdir: str) -> dict:
         )
         if jax.process_index() == 0:
             target_lib.clear_divergence(workdir)
-    for flag, path in data_lib.paths(config.data):
+    for flag, path in data_lib.paths(run_plan.data):
         storage.check_reachable(path, flag)
-    vocabulary = phases.prepare_vocabulary(config.data)
-    run_plan = plan_lib.resolve(
-        config, vocab_size=start.model_config.vocab_size if start else vocabulary.size, **devices
-    )
-    phases.check_platform(run_plan)
+    vocabulary = phases.prepare_vocabulary(run_plan.data)
+    run_plan = run_plan.with_vocab_size(vocabulary.size)
     datasets = phases.prepare_data(run_plan)
     phases.check_data(run_plan, datasets)
     trackers = []
     if jax.process_index() == 0:
-        trackers = tracking.create_writers(config.tracking, config.to_dict(), workdir)
+        config_dict = json.loads(run_plan.config_json)
+        trackers = tracking.create_writers(run_plan.tracking, config_dict, workdir)
     writer = metrics_lib.create_writer(workdir, extra=trackers)
     stop = distributed.StopRequest()
     results = []
@@ -150,23 +151,6 @@ def record_target(run_plan: RunPlan, workdir: str, plan, result: PhaseResult) ->
     )
 
 
-def published_start(config) -> published.Published | None:
-    """The published model `config.init` names (None: random weights), with the config made
-    to use its vocabulary and checked against its casing and shape."""
-    if not config.init:
-        return None
-    start = published.load(config.init)
-    published.adopt_vocabulary(start, config.data)
-    run_plan = plan_lib.resolve(
-        config,
-        vocab_size=start.model_config.vocab_size,
-        num_devices=jax.device_count(),
-        process_count=jax.process_count(),
-    )
-    published.check_model(start, run_plan.phases[0].model)
-    return start
-
-
 def run_phase(
     run_plan: RunPlan, workdir: str, phase: Phase, writer, stop, start=None
 ) -> PhaseResult:
@@ -180,9 +164,7 @@ def run_phase(
         async_save=run_plan.async_checkpointing,
     )
     steps = compile_steps(phase)
-    state, data_state, step = phases.initial_state(
-        run_plan, workdir, phase, ckpt, steps.init_state, steps.init_optimizer, start
-    )
+    state, data_state, step = phases.initial_state(run_plan, workdir, phase, ckpt, steps, start)
     if step >= phase.plan.num_steps:
         logging.info("Phase %s already finished (step %d).", phase.name, step)
         ckpt.close()
@@ -240,7 +222,7 @@ class PhaseLoop:
             run_plan.checkpoint_every_minutes, run_plan.log_every_steps
         )
         self.step_time = metrics_lib.MeanStepTime()
-        decay = phase.plan.noise_scale_ema_decay
+        decay = phase.plan.step.noise_scale_ema_decay
         self.noise_scale = None if decay is None else NoiseScaleMeter(decay)
         self.later_phases_flops = throughput.later_phases_flops(run_plan, phase.plan)
         self.eval_metrics = {}

@@ -61,7 +61,7 @@ def test_every_arm_gets_the_baselines_flops_and_a_four_point_grid(size):
             assert budget - throughput.phase_step_flops(run_plan.phases[-1]) < spent <= budget
         if arm == "mslt":
             assert [p.model.num_layers for p in run_plan.phases] == [3, 6, 12, 12]
-            assert [p.num_frozen_layers for p in run_plan.phases] == [0, 3, 6, 0]
+            assert [p.step.num_frozen_layers for p in run_plan.phases] == [0, 3, 6, 0]
         for phase in run_plan.phases:  # warm up, then hold the rate
             assert phase.schedule.warmup_fraction * phase.num_steps == pytest.approx(
                 study["warmup_steps"]

@@ -110,7 +110,10 @@ def worker(args) -> None:
                     optimizer=optimizer,
                     schedule=schedule,
                     grad_accum_steps=accum,
-                    reduce_once_on=mesh if form == "once" else None,
+                    options=step_lib.StepOptions(
+                        gradient_reduction="once" if form == "once" else "each_microbatch"
+                    ),
+                    mesh=mesh,
                 ),
             )
             compiled = jax.jit(

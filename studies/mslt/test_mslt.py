@@ -50,15 +50,15 @@ def test_the_trials_are_the_arms_of_the_question(size):
         assert all(p.optimizer.name == "lamb" for p in phases)
         if arm == "baseline":  # the full model, one phase, one schedule
             [phase] = phases
-            assert (phase.model.num_layers, phase.num_frozen_layers) == (depth, 0)
+            assert (phase.model.num_layers, phase.step.num_frozen_layers) == (depth, 0)
             assert (phase.num_steps, phase.schedule.num_steps) == (steps, steps)
             continue
         # The MSLT arms: the variant's growth and steps, then the final all-layer phase.
         assert [p.model.num_layers for p in phases] == [*stage_depths, depth]
         assert [p.num_steps for p in phases] == [share] * 3 + [study["final_steps"]]
-        frozen = [p.num_frozen_layers for p in phases]
+        frozen = [p.step.num_frozen_layers for p in phases]
         assert frozen == ([0, 0, 0, 0] if arm == "nothing_frozen" else [0, *stage_depths[:2], 0])
-        assert [p.train_decoder for p in phases] == (
+        assert [p.step.train_decoder for p in phases] == (
             [False, True, True, False] if arm == "decoder" else [False] * 4
         )
         total = steps + study["final_steps"]

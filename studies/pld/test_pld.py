@@ -62,8 +62,8 @@ def test_the_trials_are_the_arms_with_deepspeeds_recipe(size):
         assert phase.schedule.warmup_fraction == 0.02
         assert phase.schedule.learning_rate == labels["lr"]
         if labels["arm"] == "pld":
-            assert phase.layer_drop.depth_rule == "deepspeed"
-            assert phase.layer_drop.theta_bar == 0.5
+            assert phase.step.layer_drop.depth_rule == "deepspeed"
+            assert phase.step.layer_drop.theta_bar == 0.5
     assert seen == expected
     if size == "base":  # DeepSpeed's batch, sequence and micro-batch on 256 devices
         assert (phase.batch.global_batch_size, phase.batch.max_seq_length) == (4096, 128)

@@ -50,9 +50,9 @@ def test_the_trials_are_the_arms_per_optimizer_at_its_rate(size):
         assert phase.schedule.num_steps == study["num_steps"]
         normalization = "layer_norm" if labels["arm"] == "layer_norm" else "none"
         assert phase.model.normalization == normalization
-        assert phase.standardization_loss_weight == labels["weight"]
+        assert phase.step.standardization_loss_weight == labels["weight"]
         if labels["weight"] > 0:
-            assert phase.standardization_loss_site == labels["arm"]
+            assert phase.step.standardization_loss_site == labels["arm"]
     assert seen == expected
     if size == "cpu":  # the batch-scaling study's batch-32 trials: 16,384 sequences
         assert study["learning_rates"] == {"adamw": 1e-3, "lamb": 1e-2}

@@ -45,14 +45,20 @@ def test_a_bad_setting_is_named_in_one_line():
     assert "\n" not in message
 
 
-@pytest.mark.parametrize("form", ["auto", "cudnn"])
-def test_attention_other_than_the_einsum_form_is_refused(form):
+@pytest.mark.parametrize(
+    "form, platform, chosen", [("auto", "tpu", "splash"), ("cudnn", "gpu", "cudnn")]
+)
+def test_attention_other_than_the_einsum_form_is_refused(form, platform, chosen):
+    """A fused kernel is refused, also where 'auto' picks one on the plan's platform."""
     config = bert_lamb.get_config("chunked_accumulation,runlocal")
     config.model.overrides.attention = form
-    if form == "cudnn":
-        config.model.overrides.update(dtype="bfloat16", attention_dropout=0.0)
-    with pytest.raises(config_lib.ConfigError, match=f"runs attention='{form}'; set"):
-        resolve(config)
+    config.model.overrides.update(dtype="bfloat16", attention_dropout=0.0)
+    with pytest.raises(config_lib.ConfigError, match=f"runs attention='{chosen}'; set"):
+        plan_lib.resolve(config, vocab_size=2048, num_devices=1, platform=platform)
+    config.model.overrides.attention_dropout = 0.1  # 'auto' then takes the einsum form
+    if form == "auto":
+        plan = plan_lib.resolve(config, vocab_size=2048, num_devices=1, platform=platform)
+        assert plan.phases[0].model.attention == "xla"
 
 
 def test_the_train_step_is_the_core_step_with_the_emulated_matmuls():

@@ -172,7 +172,8 @@ def lowered_train_step(config, platform, seq=128, packed=False, mesh=None, once=
             optimizer=optimizer,
             schedule=optax.constant_schedule(1e-3),
             grad_accum_steps=1,
-            reduce_once_on=mesh if once else None,
+            options=step_lib.StepOptions(gradient_reduction="once" if once else "each_microbatch"),
+            mesh=mesh,
         ),
     )
     if mesh is None:

@@ -129,7 +129,7 @@ def test_training_with_it_lowers_both_losses_and_logs_it():
                 optimizer=optimizer,
                 schedule=optax.constant_schedule(1e-2),
                 grad_accum_steps=2,
-                standardization_loss_weight=1e-2,
+                options=step_lib.StepOptions(standardization_loss_weight=1e-2),
             ),
         )
     )
@@ -213,7 +213,7 @@ def test_weight_zero_is_bitwise_the_model_without_normalization():
                     optimizer=optimizer,
                     schedule=optax.constant_schedule(1e-3),
                     grad_accum_steps=1,
-                    **standardization,
+                    options=step_lib.StepOptions(**standardization),
                 ),
             )
         )

@@ -8,8 +8,8 @@ import pytest
 
 from lambjax.models.config import BertConfig
 from lambjax.train import config as config_lib
-from lambjax.train import phases, prng
 from lambjax.train import plan as plan_lib
+from lambjax.train import prng
 
 CONFIG_DIR = os.path.join(os.path.dirname(__file__), "..", "..", "configs")
 CONFIG_FILES = sorted(glob.glob(os.path.join(CONFIG_DIR, "*.py")))
@@ -419,32 +419,34 @@ def test_micro_batch_per_device_must_be_positive():
 
 
 def test_fast_variant_turns_attention_dropout_off_and_explicit_kernels_need_it_off():
-    plan = validate(load(os.path.join(CONFIG_DIR, "bert_lamb.py"), "large,fast"), 8)
-    for phase in plan.phases:
-        assert phase.model.attention_dropout == 0.0 and phase.model.hidden_dropout == 0.1
-        assert phase.model.attention == "auto"  # decided where the phase is built
-        assert phases.for_platform(phase, "cpu").attention == "xla"  # no fused kernel on CPU
-        assert phases.for_platform(phase, "tpu").attention == "splash"
+    config = load(os.path.join(CONFIG_DIR, "bert_lamb.py"), "large,fast")
+    for platform, attention in (("cpu", "xla"), ("tpu", "splash")):  # no fused kernel on CPU
+        plan = plan_lib.resolve(config, vocab_size=30522, num_devices=8, platform=platform)
+        for phase in plan.phases:
+            assert phase.model.attention_dropout == 0.0 and phase.model.hidden_dropout == 0.1
+            assert phase.model.attention == attention  # decided once, in the plan
     config = load(os.path.join(CONFIG_DIR, "bert_lamb.py"), "large")
     config.model.overrides.attention = "cudnn"
     with pytest.raises(config_lib.ConfigError, match="attention='cudnn' has no dropout"):
-        validate(config, 8)
+        plan_lib.resolve(config, vocab_size=30522, num_devices=8, platform="gpu")
     config.model.overrides.attention_dropout = 0.0
-    phase = validate(config, 8).phases[0]  # the same plan on any machine
-    assert phases.for_platform(phase, "gpu").attention == "cudnn"
+    phase = plan_lib.resolve(config, vocab_size=30522, num_devices=8, platform="gpu").phases[0]
+    assert phase.model.attention == "cudnn"
     with pytest.raises(config_lib.ConfigError, match="runs on gpu only, this is cpu"):
-        phases.for_platform(phase, "cpu")
+        validate(config, 8)  # planned for this CPU
 
 
 def test_a_gpu_unrolls_the_layers_unless_the_config_sets_the_loop():
     config = load(os.path.join(CONFIG_DIR, "bert_lamb.py"), "large")
-    phase = validate(config, 8).phases[0]
-    assert phase.model.scan_layers and phase.scan_layers_by_platform
-    assert not phases.for_platform(phase, "gpu").scan_layers
-    assert phases.for_platform(phase, "cpu").scan_layers
+
+    def first_model(platform):
+        plan = plan_lib.resolve(config, vocab_size=30522, num_devices=8, platform=platform)
+        return plan.phases[0].model
+
+    assert not first_model("gpu").scan_layers
+    assert first_model("cpu").scan_layers
     config.model.overrides.scan_layers = True
-    phase = validate(config, 8).phases[0]
-    assert phases.for_platform(phase, "gpu").scan_layers
+    assert first_model("gpu").scan_layers
 
 
 def test_the_gelu_form_reaches_every_phase_model():

@@ -39,7 +39,7 @@ def run_steps(name="lamb", steps=3, accum=2, **step_kwargs):
                 optimizer=optimizer(name),
                 schedule=optax.constant_schedule(1e-3),
                 grad_accum_steps=accum,
-                **step_kwargs,
+                options=step_lib.StepOptions(**step_kwargs),
             ),
         )
     )
@@ -171,7 +171,7 @@ def test_dropping_gives_the_same_step_on_8_sharded_devices():
                 optimizer=optimizer("lamb"),
                 schedule=optax.constant_schedule(1e-3),
                 grad_accum_steps=2,
-                layer_drop=drop,
+                options=step_lib.StepOptions(layer_drop=drop),
             ),
         )
     )
@@ -293,7 +293,7 @@ def numpy_poly_warmup(peak, total, warmup, steps):
 @pytest.mark.parametrize("continue_schedule", [False, True])
 def test_one_schedule_runs_on_across_the_stages(continue_schedule):
     phases = stage_plans(continue_schedule=continue_schedule)
-    assert [(p.model.num_layers, p.num_frozen_layers, p.num_steps) for p in phases] == [
+    assert [(p.model.num_layers, p.step.num_frozen_layers, p.num_steps) for p in phases] == [
         (1, 0, 30),
         (2, 1, 30),
         (4, 2, 30),

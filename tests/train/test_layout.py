@@ -54,7 +54,7 @@ def jitted_step(config, name, num_frozen_layers=0):
                 optimizer=optimizer(name),
                 schedule=optax.constant_schedule(1e-2),
                 grad_accum_steps=1,
-                num_frozen_layers=num_frozen_layers,
+                options=step_lib.StepOptions(num_frozen_layers=num_frozen_layers),
             ),
         )
     )

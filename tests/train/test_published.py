@@ -74,15 +74,14 @@ def test_the_vocabulary_and_casing_come_from_the_checkpoint(checkpoint, tmp_path
     path, _ = checkpoint
     start = published.load(f"hf:{path}")
     config = run_config()
-    published.adopt_vocabulary(start, config.data)
-    assert config.data.vocab == f"{path}/vocab.txt"
+    assert published.vocabulary(start, config.data) == f"{path}/vocab.txt"
 
     with pytest.raises(ConfigError, match="trained with lower_case=False; give --config.data"):
-        published.adopt_vocabulary(start, run_config(lower_case=True).data)
+        published.vocabulary(start, run_config(lower_case=True).data)
     other = tmp_path / "other_vocab.txt"
     other.write_text("[PAD]\n[UNK]\n")
     with pytest.raises(ConfigError, match="is not the vocabulary of config.init"):
-        published.adopt_vocabulary(start, run_config(vocab=str(other)).data)
+        published.vocabulary(start, run_config(vocab=str(other)).data)
 
 
 def test_a_model_of_another_shape_is_refused_naming_the_preset(checkpoint):

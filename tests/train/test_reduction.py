@@ -50,7 +50,8 @@ def compiled_step(once: bool):
             optimizer=optimizer,
             schedule=optax.constant_schedule(1e-3),
             grad_accum_steps=ACCUM,
-            reduce_once_on=mesh if once else None,
+            options=step_lib.StepOptions(gradient_reduction="once" if once else "each_microbatch"),
+            mesh=mesh,
         ),
     )
     replicated = sharding.replicated(mesh)
@@ -147,9 +148,9 @@ def resolve(config, num_devices=8):
 
 def test_the_plan_carries_the_reduction():
     config = default_config()
-    assert {p.gradient_reduction for p in resolve(config).phases} == {"each_microbatch"}
+    assert {p.step.gradient_reduction for p in resolve(config).phases} == {"each_microbatch"}
     config.gradient_reduction = "once"
-    assert {p.gradient_reduction for p in resolve(config).phases} == {"once"}
+    assert {p.step.gradient_reduction for p in resolve(config).phases} == {"once"}
 
 
 @pytest.mark.parametrize(

@@ -47,7 +47,7 @@ def jitted_step(optimizer, accum, num_frozen_layers=0):
                 optimizer=optimizer,
                 schedule=optax.constant_schedule(1e-3),
                 grad_accum_steps=accum,
-                num_frozen_layers=num_frozen_layers,
+                options=step_lib.StepOptions(num_frozen_layers=num_frozen_layers),
             ),
         )
     )

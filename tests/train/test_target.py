@@ -49,7 +49,7 @@ def test_the_plan_refuses_a_target_it_could_not_reach(metric, value, message):
     config = cli.load_config(os.path.join(helpers.REPO, "configs/default.py"))
     config.target = target(metric, value)
     with pytest.raises(config_lib.ConfigError, match=message):
-        plan_lib.check(config, num_devices=1)
+        plan_lib.resolve(config, num_devices=1)
 
 
 class CountingJob:

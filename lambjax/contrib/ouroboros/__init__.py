@@ -53,7 +53,7 @@ class OuroborosPlan:
             optimizer=phase.optimizer,
             schedule=phase.schedule,
             grad_accum_steps=phase.plan.batch.grad_accum_steps,
-            nsp_loss_weight=phase.plan.nsp_loss_weight,
+            nsp_loss_weight=phase.plan.step.nsp_loss_weight,
             synchronous_steps=self.synchronous_steps,
         )
         return functools.partial(step_lib.train_step, settings=settings)
@@ -134,12 +134,12 @@ def check(config: ml_collections.ConfigDict, phases) -> None:
                     f"{stages + 1} (or the variant ouroboros); else set mesh stage=1"
                 )
         return
-    if phases[0].layer_drop is not None:
+    if phases[0].step.layer_drop is not None:
         raise ValueError(
             "config.ouroboros.num_modules > 1 and config.layer_drop.enabled=True: Ouroboros "
             "runs every layer of every step; turn one of them off"
         )
-    if phases[0].standardization_loss_weight > 0:
+    if phases[0].step.standardization_loss_weight > 0:
         raise ValueError(
             "config.ouroboros.num_modules > 1 with config.standardization_loss.weight > 0: "
             "its stages carry no standardization loss; turn one of them off"
@@ -157,9 +157,9 @@ def check(config: ml_collections.ConfigDict, phases) -> None:
                 f"with stage={modules - 1} (the first and the last module share a stage) and "
                 f"fsdp=tensor=1, but the mesh is {mesh}; set --config.mesh.stage={modules - 1}"
             )
-        if phase.num_frozen_layers:
+        if phase.step.num_frozen_layers:
             raise ValueError(
-                f"{where}.frozen_layers={phase.num_frozen_layers}: Ouroboros trains "
+                f"{where}.frozen_layers={phase.step.num_frozen_layers}: Ouroboros trains "
                 f"every layer (no multi-stage layerwise training)"
             )
         depth = phase.model.num_layers

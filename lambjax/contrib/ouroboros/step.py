@@ -141,7 +141,7 @@ def _synchronous_step(state, batch, rng, *, settings: OuroborosStep):
         optimizer=settings.optimizer,
         schedule=settings.schedule,
         grad_accum_steps=settings.grad_accum_steps,
-        nsp_loss_weight=settings.nsp_loss_weight,
+        options=step_lib.StepOptions(nsp_loss_weight=settings.nsp_loss_weight),
     )
     new_state, metrics = step_lib.train_step(state, batch, rng, settings=core_settings)
     metrics["ouroboros_modules_updated"] = jnp.float32(settings.split.num_modules)
