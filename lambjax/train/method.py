@@ -30,7 +30,10 @@ class StepMethod(Protocol):
 
     Optionally, a `layer_options` attribute: a lambjax.models.encoder.LayerOptions (e.g. the
     encoder's matmuls) that the phase's eval step runs the model with, as the method's train
-    step does (the core step: `StepSettings.layer_options`); absent or None: the defaults."""
+    step does (the core step: `StepSettings.layer_options`); absent or None: the defaults.
+    And a `mesh_axes` attribute: the mesh axes beside the core step's (data, fsdp, tensor)
+    that the method's step runs on, e.g. Ouroboros' ("stage",); a phase whose mesh has any
+    other axis larger than 1 is refused (lambjax.train.plan_checks.check_method_axes)."""
 
     @property
     def runs_per_layer(self) -> bool:

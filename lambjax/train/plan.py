@@ -247,7 +247,7 @@ def resolve(
         lambda: standardization.check(config.standardization_loss.weight, phases),
         lambda: layerwise.check(phases),
         lambda: method and method.check(config, phases),
-        lambda: plan_checks.check_stages(phases),
+        lambda: plan_checks.check_method_axes(phases),
         lambda: reduction.check(config.gradient_reduction, phases),
         lambda: noise_scale.check(config.noise_scale.enabled, phases),
     )

@@ -1,4 +1,5 @@
-"""The plan's own checks: the run's and the phases' fields, and the mesh axis `stage`.
+"""The plan's own checks: the run's and the phases' fields, and the mesh axes a step method
+brings.
 
 The features' checks live beside each feature (lambjax.train.plan lists them);
 `run_checks` runs them, turning the ValueErrors that name a config field into ConfigErrors.
@@ -66,17 +67,22 @@ def check_optimizer(fields: dict, where: str) -> None:
         check_range(f"{where}.max_global_norm", fields["max_global_norm"], "(0, inf)")
 
 
-def check_stages(phases) -> None:
-    """The mesh axis `stage` splits the encoder's layers for a step method that runs them
-    in stages; the core step runs none."""
+# The mesh axes the core train step runs on; any other axis belongs to a step method.
+CORE_MESH_AXES = ("data", "fsdp", "tensor")
+
+
+def check_method_axes(phases) -> None:
+    """A mesh axis the core train step does not run on (e.g. `stage`) may be larger than 1
+    only in a phase whose step method runs on it (`StepMethod.mesh_axes`)."""
     for phase in phases:
-        stages = phase.mesh["stage"]
-        if stages > 1 and phase.step_method is None:
-            raise ConfigError(
-                f"config.phases.{phase.name}: mesh stage={stages} splits the encoder into "
-                "stages, which the core train step does not run; set mesh stage=1, or a "
-                "config.step_method that runs stages (e.g. the variant ouroboros)"
-            )
+        claimed = getattr(phase.step_method, "mesh_axes", ())
+        for axis, size in phase.mesh.items():
+            if size > 1 and axis not in CORE_MESH_AXES and axis not in claimed:
+                raise ConfigError(
+                    f"config.phases.{phase.name}: mesh {axis}={size} is an axis the core "
+                    f"train step does not run on (it runs on {', '.join(CORE_MESH_AXES)}); "
+                    f"set mesh {axis}=1, or a config.step_method that runs on it"
+                )
 
 
 def check_run(config, process_count: int) -> None:

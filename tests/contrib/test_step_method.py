@@ -74,7 +74,8 @@ def test_the_core_step_runs_without_a_step_method_and_no_stage_axis():
     assert config.step_method == ""
     assert all(phase.step_method is None for phase in resolve(config).phases)
     config.mesh.stage = 2
-    with pytest.raises(config_lib.ConfigError, match="the core train step does not run"):
+    message = "mesh stage=2 is an axis the core train step does not run on"
+    with pytest.raises(config_lib.ConfigError, match=message):
         plan_lib.resolve(config, vocab_size=config.data.vocab_size, num_devices=2)
 
 

@@ -40,6 +40,8 @@ class OuroborosPlan:
 
     # The stages hold slices of the stacked layers (lambjax.train.layout).
     runs_per_layer = False
+    # The mesh axis its stages run on, beside the core's (lambjax.train.method.StepMethod).
+    mesh_axes = ("stage",)
 
     def split(self, phase) -> stages_lib.Split:
         return stages_lib.Split(self.num_modules, phase.model_config.num_layers)
