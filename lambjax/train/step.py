@@ -7,17 +7,11 @@ gradient is exactly the gradient of the global-batch loss, whatever the number o
 micro-batches or devices. The update is applied once, after the scan, and only if the loss
 and gradient are finite (`apply_if_finite`).
 
-Two layer-level training schemes plug in here: progressive layer dropping
-(`layer_drop`, lambjax.train.layer_drop) draws which layers each micro-batch runs, and
-multi-stage layerwise training (`num_frozen_layers`, lambjax.train.layerwise) differentiates
-and updates only the parameters above the frozen bottom layers (and, with `train_decoder`,
-the tied MLM decoder).
-
-The standardization loss (`standardization_loss_weight` > 0, a model with normalization
-'none'; lambjax.models.standardization) adds lambda x L_std, at `standardization_loss_site`,
-to the objective. L_std is
-computed from each micro-batch's statistics and averaged over the micro-batches; it is
-logged as `standardization_loss` (unweighted), and `loss` stays the MLM + NSP loss.
+Multi-stage layerwise training (`num_frozen_layers`, lambjax.train.layerwise) is part of the
+step itself: it differentiates and updates only the parameters above the frozen bottom
+layers (and, with `train_decoder`, the tied MLM decoder). The other schemes a phase turns on
+(progressive layer dropping, the standardization loss, the gradient noise scale, one
+gradient reduction per step) plug in through named hooks (lambjax.train.schemes).
 
 The step's settings are one `StepSettings`, built from the phase's plan in `StepSettings.of`;
 what the plan sets of the step beyond its model, optimizer and batch is one `StepOptions`.
@@ -35,7 +29,8 @@ from lambjax import optim
 from lambjax.models import pretraining
 from lambjax.models.config import BertConfig
 from lambjax.models.encoder import LayerOptions
-from lambjax.train import layerwise, noise_scale, reduction
+from lambjax.train import layerwise
+from lambjax.train import schemes as schemes_lib
 from lambjax.train.layer_drop import LayerDrop
 from lambjax.train.state import TrainState
 
@@ -50,9 +45,6 @@ STAT_KEYS = (
     "nsp_correct_sum",
     "nsp_count",
 )
-
-# fold_in constant separating PLD's draws from the dropout keys of the same micro-batch.
-_LAYER_DROP_STREAM = 0x504C44
 
 
 def split_microbatches(batch: dict, num_microbatches: int) -> dict:
@@ -243,78 +235,74 @@ class StepSettings:
         it (lambjax.train.phases)."""
         return cls(plan.model, optimizer, schedule, plan.batch.grad_accum_steps, plan.step, mesh)
 
-    @property
-    def reduce_once_on(self) -> jax.sharding.Mesh | None:
-        """The mesh whose data shards reduce their gradient once per step; None: XLA reduces
-        each micro-batch's."""
-        return self.mesh if self.options.gradient_reduction == "once" else None
-
 
 def train_step(
     state: TrainState, batch: dict, rng: jax.Array, *, settings: StepSettings
 ) -> tuple[TrainState, dict]:
-    """One optimizer step on one global batch. Returns the new state and scalar metrics."""
-    model_config, grad_accum_steps = settings.model_config, settings.grad_accum_steps
-    options, reduce_once_on = settings.options, settings.reduce_once_on
+    """One optimizer step on one global batch. Returns the new state and scalar metrics.
+
+    The plain algorithm: each micro-batch's loss and gradient, summed over the micro-batches,
+    then the update where they are finite. The schemes the phase turns on
+    (lambjax.train.schemes) plug in at their named hooks."""
+    model_config, grad_accum_steps, options = (
+        settings.model_config,
+        settings.grad_accum_steps,
+        settings.options,
+    )
+    schemes = schemes_lib.of(
+        options,
+        num_layers=model_config.num_layers,
+        grad_accum_steps=grad_accum_steps,
+        mesh=settings.mesh,
+        sum_keys=STAT_KEYS,
+    )
     mlm_total = jnp.maximum(jnp.sum(batch["masked_lm_weights"].astype(jnp.float32)), 1e-9)
     nsp_total = jnp.maximum(jnp.sum(pretraining.nsp_example_weights(batch)), 1.0)
     step_rng = jax.random.fold_in(rng, state.step)
     trainable, frozen = layerwise.split(
         state.params, options.num_frozen_layers, train_decoder=options.train_decoder
     )
-    stat_keys = STAT_KEYS + (("layers_run_sum",) if options.layer_drop else ())
-    standardize = options.standardization_loss_weight > 0
-    if standardize:
-        stat_keys += ("standardization_loss",)
+    base_options = dataclasses.replace(
+        settings.layer_options,
+        num_frozen_layers=options.num_frozen_layers,
+        standardization_site=None,
+    )
 
     def loss_fn(trainable, microbatch, microbatch_rng):
-        layer_options = dataclasses.replace(
-            settings.layer_options,
-            num_frozen_layers=options.num_frozen_layers,
-            standardization_site=options.standardization_loss_site if standardize else None,
-        )
-        if options.layer_drop is not None:  # its own stream: dropout keys stay the baseline's
-            pld_rng = jax.random.fold_in(microbatch_rng, _LAYER_DROP_STREAM)
-            keep, scale = options.layer_drop.sample(pld_rng, state.step, model_config.num_layers)
-            layer_options = dataclasses.replace(layer_options, keep=keep, scale=scale)
+        layer_options, dropout_rng = base_options, microbatch_rng
+        for scheme in schemes:
+            layer_options = scheme.layer_options(layer_options, microbatch_rng, state.step)
+            dropout_rng = scheme.dropout_key(dropout_rng)
         stats = pretraining.pretraining_stats(
             model_config,
             layerwise.merge(trainable, frozen),
             microbatch,
-            dropout_rng=reduction.shard_dropout_key(microbatch_rng, reduce_once_on),
+            dropout_rng=dropout_rng,
             options=layer_options,
         )
-        if options.layer_drop is not None:
-            stats["layers_run_sum"] = jnp.sum(layer_options.keep.astype(jnp.float32))
         loss = stats["mlm_loss_sum"] / mlm_total + options.nsp_loss_weight * (
             stats["nsp_loss_sum"] / nsp_total
         )
-        if standardize:
-            loss += (
-                options.standardization_loss_weight
-                * stats["standardization_loss"]
-                / grad_accum_steps
-            )
+        for scheme in schemes:
+            loss, stats = scheme.microbatch(loss, stats, layer_options)
         return loss, stats
 
     grad_fn = jax.grad(loss_fn, has_aux=True)
-    noise_scale_on = options.noise_scale_ema_decay is not None
-    if noise_scale_on:  # each micro-batch's squared gradient norm, summed
-        grad_fn = noise_scale.with_sq_norm(grad_fn)
-        stat_keys += (noise_scale.MICROBATCH_SQ_NORM,)
+    stat_keys = STAT_KEYS
+    for scheme in schemes:
+        grad_fn, stat_keys = scheme.grad_fn(grad_fn), stat_keys + scheme.stat_keys
 
     def accumulate(trainable, batch, rng):
         return accumulate_gradients(grad_fn, trainable, batch, rng, grad_accum_steps, stat_keys)
 
-    if reduce_once_on is not None:
-        accumulate = reduction.reduce_once(accumulate, reduce_once_on, STAT_KEYS)
+    for scheme in schemes:
+        accumulate = scheme.accumulate(accumulate)
     grads, stats = accumulate(trainable, batch, step_rng)
     metrics = metrics_from_stats(stats)
     loss = metrics["mlm_loss"] + options.nsp_loss_weight * metrics["nsp_loss"]
     objective = loss
-    if standardize:
-        metrics["standardization_loss"] = stats["standardization_loss"] / grad_accum_steps
-        objective = loss + options.standardization_loss_weight * metrics["standardization_loss"]
+    for scheme in schemes:
+        objective, metrics = scheme.objective(objective, metrics, stats)
     new_state, update_metrics = apply_if_finite(
         state,
         grads,
@@ -326,25 +314,9 @@ def train_step(
     metrics = train_metrics(
         metrics, loss, state, new_state, update_metrics, schedule=settings.schedule
     )
-    metrics.update(_optional_metrics(settings, state.step, stats, update_metrics, batch))
+    for scheme in schemes:
+        metrics.update(scheme.metrics(state.step, stats, update_metrics, batch))
     return new_state, metrics
-
-
-def _optional_metrics(settings: StepSettings, step, stats, update_metrics, batch) -> dict:
-    """PLD's keep probability and layers run, and the noise scale's per-step estimates,
-    where the run has them."""
-    metrics, options = {}, settings.options
-    if options.layer_drop is not None:
-        metrics["pld_theta"] = options.layer_drop.theta(step)
-        metrics["pld_layers_run"] = stats["layers_run_sum"] / settings.grad_accum_steps
-    if options.noise_scale_ema_decay is not None:
-        global_batch = batch["masked_lm_weights"].shape[0]
-        metrics.update(
-            noise_scale.step_estimates(
-                stats, update_metrics["grad_norm"], global_batch, settings.grad_accum_steps
-            )
-        )
-    return metrics
 
 
 def train_metrics(
