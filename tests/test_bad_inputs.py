@@ -26,6 +26,7 @@ from tests.finetune import generate
 
 BINARY = bytes(range(256)) * 4  # NULs and bytes that are not UTF-8
 LATIN_1 = "[PAD]\n[UNK]\n[CLS]\n[SEP]\n[MASK]\ncafé\n".encode("latin-1")
+TWICE = b"[PAD]\n[UNK]\n[CLS]\n[SEP]\n[MASK]\nthe\nof\nthe\n"  # ids one past its size
 
 
 @pytest.fixture(scope="module")
@@ -34,6 +35,7 @@ def inputs(tmp_path_factory) -> dict[str, str]:
     files = {
         "binary": BINARY,
         "latin1_vocab.txt": LATIN_1,
+        "twice_vocab.txt": TWICE,
         "empty/corpus.txt": b"",
         "truncated.json": b'{"version": "1.1", "data": [{"title": "x", "paragraphs": [{"con',
         "latin1.json": json.dumps({"version": "1.1", "data": []}).encode() + b"\xe9",
@@ -121,6 +123,7 @@ def main_cases(inputs, root) -> list[tuple[list[str], str]]:
     return [
         (main(f"--config.data.vocab={inputs['latin1_vocab.txt']}"), "is not UTF-8 text"),
         (main(f"--config.data.vocab={inputs['binary']}"), "is not UTF-8 text"),
+        (main(f"--config.data.vocab={inputs['twice_vocab.txt']}"), "holds the token 'the' twice"),
         (main(f"--config.data.source=text:{inputs['root']}/empty/*.txt"), "holds no text"),
         (main(f"--config.data.source=text:{inputs['binary']}"), "decoded as UTF-8"),
         (main(workdir=inputs["finetuning"]), "holds a fine-tuning run"),

@@ -79,7 +79,15 @@ def read_vocab(vocab_file: str) -> dict[str, int]:
         ) from None
     if lines and lines[-1] == "":
         lines.pop()
-    return {token: index for index, token in enumerate(lines)}
+    vocab = {}
+    for index, token in enumerate(lines):
+        if token in vocab:  # ids would run one past the vocabulary's size, into no embedding
+            raise DataError(
+                f"vocabulary {vocab_file} holds the token {token!r} twice (lines "
+                f"{vocab[token] + 1} and {index + 1}); a vocab.txt holds each token once"
+            )
+        vocab[token] = index
+    return vocab
 
 
 def vocabulary_is_cased(vocab_file: str) -> bool:

@@ -167,8 +167,17 @@ class RunPlan:
 
     def with_vocab_size(self, vocab_size: int) -> "RunPlan":
         """The plan with the built vocabulary's size in every model, where the size was the
-        data's to give (`vocab_size_from_data`); otherwise the plan as it is."""
+        data's to give (`vocab_size_from_data`); otherwise the plan as it is, whose models
+        must embed every id of the vocabulary (ConfigError)."""
         if not self.vocab_size_from_data:
+            embeddings = self.phases[0].model.vocab_size
+            if vocab_size > embeddings:
+                raise ConfigError(
+                    f"config.model.overrides.vocab_size={embeddings} is smaller than the "
+                    f"vocabulary's {vocab_size} tokens (config.data.vocab="
+                    f"{self.data.vocab!r}): its last ids would have no embedding; valid: at "
+                    f"least {vocab_size}, or unset (the vocabulary's size)"
+                )
             return self
         phases, previous = [], None
         for phase in self.phases:

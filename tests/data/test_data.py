@@ -235,6 +235,12 @@ def test_interrupted_build_never_looks_complete_and_a_rerun_finishes(tmp_path, m
             lambda d: dict(vocab=_write(d / "v.txt", "[PAD]\n[UNK]\nhello\n")),
             r"lacks the special tokens \['\[CLS\]'",
         ),
+        (
+            lambda d: dict(
+                vocab=_write(d / "v.txt", "[PAD]\n[UNK]\n[CLS]\n[SEP]\n[MASK]\nthe\nof\nthe\n")
+            ),
+            r"holds the token 'the' twice \(lines 6 and 8\)",
+        ),
         (lambda d: dict(source="ftp:corpus"), "not a known source"),
         (lambda d: dict(validation_fraction=1.5), "validation_fraction=1.5"),
     ],

@@ -456,3 +456,18 @@ def test_the_gelu_form_reaches_every_phase_model():
     assert all(p.model.gelu_approximate for p in validate(config, num_devices=8).phases)
     with pytest.raises(ValueError, match=r"gelu_approximate='tanh'; valid: True \(tanh\)"):
         BertConfig(gelu_approximate="tanh")
+
+
+def test_a_vocabulary_larger_than_the_embeddings_is_refused():
+    config = default()
+    config.model.overrides.vocab_size = 100
+    plan = validate(config, 1)
+    assert plan.with_vocab_size(100) is plan
+    with pytest.raises(config_lib.ConfigError, match="vocab_size=100 is smaller than the "):
+        plan.with_vocab_size(101)
+    config = default()
+    plan = plan_lib.resolve(config, num_devices=1)  # the size is the vocabulary's
+    assert plan.vocab_size_from_data
+    grown = plan.with_vocab_size(4096)
+    assert {p.model.vocab_size for p in grown.phases} == {4096} and not grown.vocab_size_from_data
+    assert grown.phases[1].previous is grown.phases[0]
