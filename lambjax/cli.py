@@ -126,7 +126,12 @@ def run(main, module: str, program: str, parser=None) -> None:
             sys.exit(0)
         return parse(argv)
 
-    app.run(main, flags_parser=parse_or_help)
+    try:
+        app.run(main, flags_parser=parse_or_help)
+    except KeyboardInterrupt:  # a second Ctrl-C, or one before the run could save
+        fail(
+            program, "interrupted (Ctrl-C); what was saved is kept: the same command continues", 130
+        )
 
 
 def command_help(module: str) -> str:

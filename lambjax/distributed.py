@@ -186,34 +186,50 @@ def process_zero_decides(decision: bool) -> bool:
 
 
 class StopRequest:
-    """SIGTERM handling: the training loop asks `requested(step)` at every step boundary.
+    """SIGTERM and Ctrl-C handling: the training loop asks `requested(step)` at every step
+    boundary.
 
     With one process a Python signal handler sets a flag. With several, JAX's preemption
     sync point makes every process agree on the same step to stop at (the coordination
-    service relays the SIGTERM any one of them received).
+    service relays the SIGTERM any one of them received). Ctrl-C (SIGINT) is taken as a
+    SIGTERM: the run saves at the next step and exits 0; a second Ctrl-C stops at once
+    (KeyboardInterrupt, one line from `lambjax.cli.run`, exit 130).
     """
 
     def __init__(self):
         import jax
 
         self._multi_process = jax.process_count() > 1
-        self._signalled = False
+        self._signalled = None  # the signal's name, once one arrived
         self._announced = False
         if not self._multi_process:
             signal.signal(signal.SIGTERM, self._on_sigterm)
+        signal.signal(signal.SIGINT, self._on_sigint)
 
     def _on_sigterm(self, signum, frame):
         # Only a flag. The handler runs between two bytecodes of the main thread, which may
         # be inside a write to the log file: logging from here writes to that file again
         # (a reentrant call, which fails). The loop says it, in `requested`.
-        self._signalled = True
+        self._signalled = self._signalled or "SIGTERM"
+
+    def _on_sigint(self, signum, frame):
+        signal.signal(signal.SIGINT, signal.default_int_handler)  # the next one stops at once
+        if self._multi_process:  # JAX's preemption notifier takes SIGTERM to every process
+            os.kill(os.getpid(), signal.SIGTERM)
+        else:
+            self._signalled = self._signalled or "Ctrl-C (SIGINT)"
 
     def requested(self, step: int) -> bool:
         if not self._multi_process:
             if self._signalled and not self._announced:
                 self._announced = True
-                logging.warning("SIGTERM received: saving at step %d, then exiting.", step)
-            return self._signalled
+                logging.warning(
+                    "%s received: saving at step %d, then exiting%s.",
+                    self._signalled,
+                    step,
+                    " (Ctrl-C again: at once)" if self._signalled.startswith("Ctrl-C") else "",
+                )
+            return self._signalled is not None
         from jax.experimental import multihost_utils
 
         return multihost_utils.reached_preemption_sync_point(step)

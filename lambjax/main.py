@@ -7,11 +7,11 @@ On a pod every host runs the same command; JAX's distributed runtime is initiali
 environment (TPU VM, SLURM) or from --coordinator_address/--num_processes/--process_id.
 Rerunning a command continues its run from the last checkpoint in --workdir.
 
-Exit status: 0 when the run finished or stopped on request (SIGTERM, a preemption notice);
-2 for a mistake in the command (one line says which); 3 when the loss stayed non-finite
-(one line names the checkpoint kept, the last finite state); 75 when a checkpoint could not be
-written (a full disk, a bucket refusing writes: one line says where and what to do; the
-same command continues the run once that is fixed).
+Exit status: 0 when the run finished or stopped on request (SIGTERM, Ctrl-C, a preemption
+notice); 2 for a mistake in the command (one line says which); 3 when the loss stayed
+non-finite (one line names the checkpoint kept, the last finite state); 75 when a checkpoint
+could not be written (a full disk, a bucket refusing writes: one line says where and what to
+do; the same command continues the run once that is fixed); 130 after a second Ctrl-C.
 """
 
 from absl import logging

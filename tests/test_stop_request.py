@@ -1,5 +1,6 @@
 """A SIGTERM that arrives while the logger writes: the handler only sets a flag, and the
-loop's next look at it (`StopRequest.requested`) logs the stop, once, to the run's log."""
+loop's next look at it (`StopRequest.requested`) logs the stop, once, to the run's log; a
+Ctrl-C is taken as a SIGTERM, and a second one stops at once."""
 
 import os
 import signal
@@ -54,3 +55,41 @@ def test_sigterm_while_logging_sets_a_flag_and_the_loop_logs_it(tmp_path):
     for text in (console, log):
         assert "Logging error" not in text and "reentrant call" not in text
     assert log.count("SIGTERM received") == 1
+
+
+CTRL_C = """
+import sys
+from absl import flags, logging
+flags.FLAGS(["probe"])
+from lambjax import console, distributed
+console.setup()
+console.log_to_file(sys.argv[1], "train.log")
+stop = distributed.StopRequest()
+print("ready", flush=True)
+sys.stdin.readline()  # the first Ctrl-C has arrived
+print("stop requested:", stop.requested(7), flush=True)
+sys.stdin.readline()  # the second too
+"""
+
+
+def test_ctrl_c_requests_a_stop_and_a_second_one_stops_at_once(tmp_path):
+    probe = subprocess.Popen(
+        [sys.executable, "-c", CTRL_C, str(tmp_path)],
+        cwd=helpers.REPO,
+        env=helpers.environment(1),
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    assert probe.stdout.readline().strip() == "ready"
+    probe.send_signal(signal.SIGINT)
+    time.sleep(0.5)
+    probe.stdin.write("\n")
+    probe.stdin.flush()
+    assert probe.stdout.readline().strip() == "stop requested: True"
+    probe.send_signal(signal.SIGINT)  # the default handler again: KeyboardInterrupt
+    _, stderr = probe.communicate(timeout=60)
+    assert probe.returncode != 0 and "KeyboardInterrupt" in stderr
+    log = (tmp_path / "train.log").read_text()
+    assert "Ctrl-C (SIGINT) received: saving at step 7, then exiting (Ctrl-C again" in log

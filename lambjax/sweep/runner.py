@@ -221,10 +221,11 @@ class Sweep:
                 elif self.diverged(trial):
                     record["status"] = "diverged"
                 elif process.returncode == 0 or (
-                    stop.requested and process.returncode == -signal.SIGTERM
+                    stop.requested and process.returncode in INTERRUPTED_EXITS
                 ):
-                    # A trial still starting up when the sweep passed SIGTERM on has nothing
-                    # to save yet: it is stopped, as one that saved and exited.
+                    # A trial still starting up when the sweep passed SIGTERM on (or the
+                    # terminal's Ctrl-C reached it) has nothing to save yet: it is stopped,
+                    # as one that saved and exited.
                     record["status"] = "stopped"
                 else:
                     log = self.log_path(trial, launcher)
@@ -345,6 +346,11 @@ def slot_environments(parallel: int, root: str = "/") -> list[dict]:
         {"CUDA_VISIBLE_DEVICES": ",".join(gpus[slot * share : (slot + 1) * share])}
         for slot in range(parallel)
     ]
+
+
+# How a trial ends that a stop reached before it could save: SIGTERM, SIGINT, or the one
+# line of a Ctrl-C (lambjax.cli.run).
+INTERRUPTED_EXITS = (-signal.SIGTERM, -signal.SIGINT, 130)
 
 
 class _StopSignal:

@@ -430,6 +430,27 @@ def test_a_trial_that_sigterm_kills_while_starting_is_stopped_not_failed(tmp_pat
 
 
 @in_process_sweep
+def test_trials_that_the_terminals_ctrl_c_reached_while_starting_are_stopped(tmp_path, monkeypatch):
+    """Ctrl-C in a terminal reaches the trials too: one killed by SIGINT before it could save,
+    or ended by lambjax's one line for it (exit 130), is stopped, not failed."""
+    from lambjax.sweep import runner
+
+    monkeypatch.setattr(runner, "_StopSignal", StopAfterOneSecond)
+    script = (
+        "import os, signal, sys, time\n"
+        "time.sleep(1.5)\n"
+        "if sys.argv[1].endswith('seed=0'):\n"
+        "    sys.exit(130)\n"
+        "signal.signal(signal.SIGINT, signal.SIG_DFL)\n"
+        "os.kill(os.getpid(), signal.SIGINT)\n"
+    )
+    sweep, _ = fake_trials(tmp_path, monkeypatch, script)
+    assert sweep.run(parallel=2) == 0
+    state = json.loads((tmp_path / "sweep.json").read_text())
+    assert {t["status"] for t in state["trials"].values()} == {"stopped"}
+
+
+@in_process_sweep
 def test_a_stopping_sweep_signals_each_trial_once(tmp_path, monkeypatch):
     from lambjax.sweep import runner
 

@@ -160,13 +160,19 @@ def test_kill_and_rerun_gives_bitwise_the_same_losses(prng_reference, data_dir, 
 
 
 @pytest.mark.slow
-def test_sigterm_saves_exits_zero_and_resumes(reference, data_dir, tmp_path):
+@pytest.mark.parametrize(
+    "signum, said", [(signal.SIGTERM, "SIGTERM received"), (signal.SIGINT, "Ctrl-C (SIGINT)")]
+)
+def test_sigterm_saves_exits_zero_and_resumes(reference, data_dir, tmp_path, signum, said):
+    """SIGTERM, and Ctrl-C as a SIGTERM: the run saves at its next step, exits 0 with one
+    line, and the same command continues it bitwise."""
     workdir = str(tmp_path)
     process = start(workdir, data_dir, 4)
     wait_for_checkpoint(workdir, "phase1", 4, process)
-    process.send_signal(signal.SIGTERM)
+    process.send_signal(signum)
     _, stderr = process.communicate(timeout=120)
     assert process.returncode == 0, stderr[-3000:]
+    assert said in stderr and "Traceback" not in stderr
     logged = losses(workdir)
     stopped_at = max(logged)
     assert stopped_at < PHASE1_STEPS + PHASE2_STEPS
