@@ -20,6 +20,7 @@ pretraining or fine-tuning run itself never does.
 import difflib
 import importlib.util
 import os
+import signal
 import sys
 import traceback
 from typing import NoReturn
@@ -126,12 +127,28 @@ def run(main, module: str, program: str, parser=None) -> None:
             sys.exit(0)
         return parse(argv)
 
-    try:
-        app.run(main, flags_parser=parse_or_help)
-    except KeyboardInterrupt:  # a second Ctrl-C, or one before the run could save
-        fail(
-            program, "interrupted (Ctrl-C); what was saved is kept: the same command continues", 130
-        )
+    signal.signal(signal.SIGINT, interrupt_handler(program))
+    app.run(main, flags_parser=parse_or_help)
+
+
+# The exit status of a command that Ctrl-C stopped at once.
+INTERRUPTED_STATUS = 130
+
+
+def interrupt_handler(program: str):
+    """Ctrl-C's handler from a command's start: one line, then the process ends at once, as
+    a kill would (everything lambjax writes survives a kill: the same command continues).
+    Not a KeyboardInterrupt, which Python drops where it lands in a garbage-collection
+    callback (the command then went on as if no Ctrl-C came). A training loop takes the
+    first Ctrl-C as a stop request instead (lambjax.distributed.StopRequest) and hands the
+    next one back here."""
+    line = f"{program}: interrupted (Ctrl-C); what was saved is kept: the same command continues\n"
+
+    def interrupt(signum, frame):
+        os.write(2, line.encode())  # no print: the handler may interrupt a write to stderr
+        os._exit(INTERRUPTED_STATUS)
+
+    return interrupt
 
 
 def command_help(module: str) -> str:

@@ -192,8 +192,8 @@ class StopRequest:
     With one process a Python signal handler sets a flag. With several, JAX's preemption
     sync point makes every process agree on the same step to stop at (the coordination
     service relays the SIGTERM any one of them received). Ctrl-C (SIGINT) is taken as a
-    SIGTERM: the run saves at the next step and exits 0; a second Ctrl-C stops at once
-    (KeyboardInterrupt, one line from `lambjax.cli.run`, exit 130).
+    SIGTERM: the run saves at the next step and exits 0; a second Ctrl-C goes to the handler
+    before it, which stops at once (a command's: one line, exit 130, lambjax.cli.run).
     """
 
     def __init__(self):
@@ -204,6 +204,7 @@ class StopRequest:
         self._announced = False
         if not self._multi_process:
             signal.signal(signal.SIGTERM, self._on_sigterm)
+        self._next_sigint = signal.getsignal(signal.SIGINT)  # the command's: at once
         signal.signal(signal.SIGINT, self._on_sigint)
 
     def _on_sigterm(self, signum, frame):
@@ -213,7 +214,7 @@ class StopRequest:
         self._signalled = self._signalled or "SIGTERM"
 
     def _on_sigint(self, signum, frame):
-        signal.signal(signal.SIGINT, signal.default_int_handler)  # the next one stops at once
+        signal.signal(signal.SIGINT, self._next_sigint)  # the next one stops at once
         if self._multi_process:  # JAX's preemption notifier takes SIGTERM to every process
             os.kill(os.getpid(), signal.SIGTERM)
         else:

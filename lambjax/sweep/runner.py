@@ -33,7 +33,7 @@ import time
 from absl import logging
 from etils import epath
 
-from lambjax import distributed, storage
+from lambjax import cli, distributed, storage
 from lambjax.sweep.spec import SweepError, Trial
 from lambjax.train import target as target_lib
 
@@ -349,8 +349,8 @@ def slot_environments(parallel: int, root: str = "/") -> list[dict]:
 
 
 # How a trial ends that a stop reached before it could save: SIGTERM, SIGINT, or the one
-# line of a Ctrl-C (lambjax.cli.run).
-INTERRUPTED_EXITS = (-signal.SIGTERM, -signal.SIGINT, 130)
+# line of a Ctrl-C (lambjax.cli.interrupt_handler).
+INTERRUPTED_EXITS = (-signal.SIGTERM, -signal.SIGINT, cli.INTERRUPTED_STATUS)
 
 
 class _StopSignal:
