@@ -9,6 +9,11 @@ processes) continues with exactly the batches an uninterrupted one would see.
 
 With `packing` (lambjax.data.packing), the unit an epoch permutes and a batch's row holds is
 a planned row of several examples instead of one example; the rest is the same.
+
+An evaluation reads one epoch with `pad_last_batch`: the remainder is not dropped but makes
+a last global batch, filled up with padding rows of zero weight (`masked_lm_weights` 0 and
+`nsp_weights` 0, which every batch then carries), so that every example is scored once at
+one batch shape.
 """
 
 import grain
@@ -63,12 +68,16 @@ def make_iterator(
     num_epochs: int | None = None,
     read_threads: int = 2,
     packing: packing_lib.Packing | None = None,
+    pad_last_batch: bool = False,
 ) -> BatchIterator:
     """An iterator over this process's rows of each global batch (see module docstring).
 
     `read_threads` threads read examples ahead of the consumer (0: synchronous reads).
     `packing`: rows of several examples each (lambjax.data.packing); None: one per row.
+    `pad_last_batch`: one epoch of every example, the last batch padded (module docstring).
     """
+    if pad_last_batch and (num_epochs != 1 or packing is not None):
+        raise ValueError("pad_last_batch reads one epoch of unpacked examples (num_epochs=1)")
     if split not in prepared.data_sources:
         raise DataError(f"split {split!r} was not built; available: {list(prepared.data_sources)}")
     if global_batch_size <= 0 or global_batch_size % process_count:
@@ -87,6 +96,7 @@ def make_iterator(
         seed=seed,
         options=masking_options(prepared, max_predictions_per_seq),
         packing=packing,
+        pad_last_batch=pad_last_batch,
     )
     if num_epochs is None and reader.batches_per_epoch == 0:
         # An epoch of no batch would end an endless iterator at once (StopIteration).
@@ -143,6 +153,7 @@ class _BatchReader:
         seed: int,
         options: masking.MaskingOptions,
         packing: packing_lib.Packing | None = None,
+        pad_last_batch: bool = False,
     ):
         source = prepared.data_sources[split]
         self.records = source.data_source  # the ArrayRecord reader under the TFDS source
@@ -159,19 +170,24 @@ class _BatchReader:
                 seed=seed,
             )
         self.num_units = len(source) if self.units is None else len(self.units)
-        self.batches_per_epoch = self.num_units // global_batch_size
+        self.pad_last_batch = pad_last_batch
+        if pad_last_batch:  # the remainder too, in a last batch filled with padding rows
+            self.batches_per_epoch = -(-self.num_units // global_batch_size)
+            self.epoch_units = self.num_units
+        else:  # the remainder dropped
+            self.batches_per_epoch = self.num_units // global_batch_size
+            self.epoch_units = self.batches_per_epoch * global_batch_size
         self.global_batch_size, self.local_batch_size = global_batch_size, local_batch_size
         self.process_index, self.seed, self.options = process_index, seed, options
         self.pad_id = prepared.special_ids["pad"]
         self.permutations: dict[int, np.ndarray] = {}
 
     def rows_of(self, step: int) -> tuple[np.ndarray, np.ndarray]:
-        """(epoch, unit index) of this process's rows of global batch `step`."""
-        local_batch = self.local_batch_size
-        first = step * self.global_batch_size + self.process_index * local_batch
-        positions = np.arange(first, first + local_batch)
-        epochs, offsets = np.divmod(positions, self.batches_per_epoch * self.global_batch_size)
-        indices = np.empty(local_batch, np.int64)
+        """(epoch, unit index) of this process's rows of global batch `step`; with
+        `pad_last_batch`, positions past the epoch's last example read example 0 (`padding`
+        says which)."""
+        epochs, offsets = np.divmod(self.positions(step), self.epoch_units)
+        indices = np.empty(self.local_batch_size, np.int64)
         for epoch in np.unique(epochs):
             if epoch not in self.permutations:
                 if len(self.permutations) > 1:
@@ -180,10 +196,27 @@ class _BatchReader:
                 self.permutations[epoch] = rng.permutation(self.num_units)
             rows = epochs == epoch
             indices[rows] = self.permutations[epoch][offsets[rows]]
+        if self.pad_last_batch:
+            indices[self.padding(step)], epochs[self.padding(step)] = 0, 0
         return epochs, indices
+
+    def positions(self, step: int) -> np.ndarray:
+        """This process's rows of global batch `step`, as positions in the run's order."""
+        first = step * self.global_batch_size + self.process_index * self.local_batch_size
+        return np.arange(first, first + self.local_batch_size)
+
+    def padding(self, step: int) -> np.ndarray:
+        """Which of this process's rows of batch `step` are padding (`pad_last_batch`)."""
+        return self.positions(step) >= self.num_units
 
     def read_batch(self, step: int) -> dict:
         epochs, indices = self.rows_of(step)
+        if self.pad_last_batch:  # weights 0 on the padding rows, which read example 0
+            batch = self.read_examples(epochs, indices)
+            padding = self.padding(step)
+            batch["masked_lm_weights"][padding] = 0
+            batch["nsp_weights"] = (~padding).astype(np.float32)
+            return batch
         if self.units is None:
             return self.read_examples(epochs, indices)
         table = self.units[indices]

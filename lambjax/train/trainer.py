@@ -287,13 +287,16 @@ class PhaseLoop:
         return self.reached_target
 
     def evaluation(self, params) -> dict:
-        """MLM loss and accuracy on the held-out split (the MLPerf metric), plus NSP."""
+        """MLM loss and accuracy on the held-out split (the MLPerf metric: every example once),
+        plus NSP and the number of examples scored."""
         run_plan, phase = self.run_plan, self.phase
         if "validation" not in phase.prepared.data_sources:
             logging.warning("Phase %s: no validation split was built; no evaluation.", phase.name)
             return {}
         totals = None
-        batches = phase.batches("validation", run_plan.eval_batch_size, HELD_OUT_SEED, num_epochs=1)
+        batches = phase.batches(  # every held-out example once, the last batch padded
+            "validation", run_plan.eval_batch_size, HELD_OUT_SEED, num_epochs=1, pad_last_batch=True
+        )
         for index, batch in enumerate(batches):
             if run_plan.eval_steps and index >= run_plan.eval_steps:
                 break
@@ -304,7 +307,8 @@ class PhaseLoop:
             logging.warning("Phase %s: no validation batch of %d; no evaluation.", phase.name, size)
             return {}
         metrics = jax.device_get(step_lib.metrics_from_stats(totals))
-        return {k: float(v) for k, v in metrics.items()}
+        # The held-out examples scored (every example has an NSP weight, with NSP or without).
+        return {"examples": float(totals["nsp_count"]), **{k: float(v) for k, v in metrics.items()}}
 
     def save(self, step: int, state) -> None:
         if not self.finite(step, state):

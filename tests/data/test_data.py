@@ -75,6 +75,48 @@ def test_process_parts_are_disjoint_and_make_the_global_batch(prepared, process_
             np.testing.assert_array_equal(merged[key], global_batches[step][key], err_msg=key)
 
 
+@pytest.mark.parametrize("process_count", [1, 2])
+def test_a_padded_epoch_scores_every_example_once_at_one_batch_shape(prepared, process_count):
+    """An evaluation's epoch (`pad_last_batch`): the remainder makes a last batch whose
+    padding rows weigh 0, so the weighted rows are every example of the split once."""
+    total, batch = prepared.num_examples("validation"), 8
+    assert total % batch, "the split must leave a remainder for this test"
+    parts = [
+        list(
+            data.make_iterator(
+                prepared,
+                split="validation",
+                global_batch_size=batch,
+                max_predictions_per_seq=PRED,
+                seed=0,
+                process_index=p,
+                process_count=process_count,
+                num_epochs=1,
+                pad_last_batch=True,
+            )
+        )
+        for p in range(process_count)
+    ]
+    batches = [concat([part[step] for part in parts]) for step in range(len(parts[0]))]
+    assert len(batches) == -(-total // batch)
+    assert {b["input_ids"].shape for b in batches} == {(batch, SEQ)}
+    weights = np.concatenate([b["nsp_weights"] for b in batches])
+    assert weights.sum() == total and set(weights[:total]) == {1.0} and not weights[total:].any()
+    assert not batches[-1]["masked_lm_weights"][weights[-batch:] == 0].any()
+    # The same examples as the epoch that drops the remainder, in the same order, then the rest.
+    dropped = data.make_iterator(
+        prepared,
+        split="validation",
+        global_batch_size=batch,
+        max_predictions_per_seq=PRED,
+        seed=0,
+        num_epochs=1,
+    )
+    for full, padded in zip(dropped, batches, strict=False):
+        np.testing.assert_array_equal(full["input_ids"], padded["input_ids"])
+        np.testing.assert_array_equal(full["masked_lm_weights"], padded["masked_lm_weights"])
+
+
 def test_same_seed_same_batches_other_seed_other_batches(prepared):
     a, _ = take(prepared, 2, seed=3)
     b, _ = take(prepared, 2, seed=3)

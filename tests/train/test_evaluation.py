@@ -25,4 +25,6 @@ def test_the_held_out_split_is_masked_with_one_seed_for_every_run(run_seed):
         ),
     )
     assert trainer.PhaseLoop.evaluation(loop, params=None) == {}
-    assert calls == [("validation", 8, trainer.HELD_OUT_SEED, {"num_epochs": 1})]
+    assert calls == [
+        ("validation", 8, trainer.HELD_OUT_SEED, {"num_epochs": 1, "pad_last_batch": True})
+    ]
