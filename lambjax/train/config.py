@@ -192,7 +192,8 @@ def base_config() -> ml_collections.ConfigDict:
     config.log_every_steps = 10
     config.eval_every_steps = 100
     config.eval_batch_size = 32
-    # Validation batches per evaluation; 0 = the whole held-out split.
+    # Validation batches per evaluation; 0 = the whole held-out split, every example once
+    # (the last batch padded with rows of zero weight; eval/examples logs how many).
     config.eval_steps = 0
     config.checkpoint_every_steps = 100
     # Also save once this many minutes of wall time have passed since the last save (checked
