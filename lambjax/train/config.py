@@ -195,6 +195,9 @@ def base_config() -> ml_collections.ConfigDict:
     # Validation batches per evaluation; 0 = the whole held-out split, every example once
     # (the last batch padded with rows of zero weight; eval/examples logs how many).
     config.eval_steps = 0
+    # Also evaluate before the run's first step (a continued pretraining's starting loss: the
+    # published model's on the new text), logged at step 0.
+    config.eval_at_start = False
     config.checkpoint_every_steps = 100
     # Also save once this many minutes of wall time have passed since the last save (checked
     # at log steps, decided by process 0 for all): a preemption without notice then loses at

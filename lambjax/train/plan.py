@@ -144,6 +144,7 @@ class RunPlan:
     eval_every_steps: int
     eval_batch_size: int
     eval_steps: int  # validation batches per evaluation; 0 = the whole split
+    eval_at_start: bool  # also evaluate before the run's first step (at step 0)
     checkpoint_every_steps: int
     checkpoint_every_minutes: float  # also save by wall time; 0 = by steps only
     max_checkpoints_to_keep: int
@@ -273,6 +274,7 @@ def resolve(
         eval_every_steps=config.eval_every_steps,
         eval_batch_size=config.eval_batch_size,
         eval_steps=config.eval_steps,
+        eval_at_start=config.eval_at_start,
         checkpoint_every_steps=config.checkpoint_every_steps,
         checkpoint_every_minutes=config.checkpoint_every_minutes,
         max_checkpoints_to_keep=config.max_checkpoints_to_keep,

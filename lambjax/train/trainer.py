@@ -175,6 +175,8 @@ def run_phase(
         metrics_lib.log_parameters(state.params, phase.model_config, workdir, writer)
     state = steps.to_running(state)  # the layout the steps take (lambjax.train.layout)
     job = PhaseLoop(run_plan, workdir, phase, writer, ckpt, steps, data_state)
+    if run_plan.eval_at_start and phase.index == 0 and step == 0:
+        job.evaluate_at_start(state)
     try:
         step, stopped = job.train(state, step, stop)
     except BaseException:
@@ -285,6 +287,14 @@ class PhaseLoop:
         target = self.run_plan.target
         self.reached_target = bool(metrics) and target is not None and target.reached(metrics)
         return self.reached_target
+
+    def evaluate_at_start(self, state) -> None:
+        """The held-out evaluation before the run's first step (`config.eval_at_start`),
+        written at step 0; no target is read from it."""
+        metrics = self.evaluation(state.params)
+        if metrics:
+            self.writer.write_scalars(0, {f"eval/{k}": v for k, v in metrics.items()})
+        self.throughput.reset(0)
 
     def evaluation(self, params) -> dict:
         """MLM loss and accuracy on the held-out split (the MLPerf metric: every example once),

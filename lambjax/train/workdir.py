@@ -45,6 +45,7 @@ RESUMABLE = (
     "eval_every_steps",
     "eval_batch_size",
     "eval_steps",
+    "eval_at_start",
     "checkpoint_every_steps",
     "checkpoint_every_minutes",
     "max_checkpoints_to_keep",

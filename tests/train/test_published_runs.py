@@ -69,6 +69,7 @@ def held_out_mlm_loss(model, workdir: str) -> float:
         max_predictions_per_seq=config.phases.phase1.max_predictions_per_seq,
         seed=trainer.HELD_OUT_SEED,
         num_epochs=1,
+        pad_last_batch=True,  # every held-out example, as the run scores them
     )
     total, weight = 0.0, 0.0
     for index, batch in enumerate(batches):
@@ -151,7 +152,7 @@ def test_continued_pretraining_starts_from_the_exported_model(tmp_path):
             f"--config.init=hf:{export}",
             f"--config.data.source=text:{other_text(tmp_path / 'other.txt')}",
             "--config.phases.phase1.num_steps=1",
-            "--config.phases.phase1.learning_rate=1e-9",  # the first evaluation: the start
+            "--config.eval_at_start=true",  # the first evaluation: the start, at step 0
             f"--config.eval_steps={EVAL_STEPS}",
             f"--config.eval_batch_size={EVAL_BATCH}",
             "--config.tracking.backends=wandb,mlflow",
@@ -161,7 +162,10 @@ def test_continued_pretraining_starts_from_the_exported_model(tmp_path):
     assert "starting from transformers checkpoint" in result.stderr
     assert "MLM and NSP heads from it" in result.stderr
 
-    first = read_jsonl(os.path.join(continued, "metrics.jsonl"))[1]["eval/mlm_loss"]
+    records = read_jsonl(os.path.join(continued, "metrics.jsonl"))
+    evaluations = [records[step] for step in sorted(records) if "eval/mlm_loss" in records[step]]
+    assert [r["step"] for r in evaluations] == [0, 1]
+    first = evaluations[0]["eval/mlm_loss"]
     exported = transformers.BertForPreTraining.from_pretrained(export).eval()
     expected = held_out_mlm_loss(exported, continued)
     torch.manual_seed(0)
@@ -175,11 +179,13 @@ def test_continued_pretraining_starts_from_the_exported_model(tmp_path):
 
     run_record, rows = wandb_history(tracking_env["WANDB_DIR"])
     assert run_record.display_name == "continued"
+    last = evaluations[1]["eval/mlm_loss"]
     assert [row["eval/mlm_loss"] for row in rows if "eval/mlm_loss" in row] == [
-        pytest.approx(first)
+        pytest.approx(first),
+        pytest.approx(last),
     ]
     mlflow_run, history = mlflow_metric(str(tmp_path / "mlruns"), "eval/mlm_loss")
-    assert history == {1: pytest.approx(first)}
+    assert history == {0: pytest.approx(first), 1: pytest.approx(last)}
     assert mlflow_run.data.params["init"] == json.dumps(f"hf:{export}")
 
     again = str(tmp_path / "again")
