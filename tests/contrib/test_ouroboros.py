@@ -3,12 +3,12 @@
 The reference is the rule itself, written without stages: every step takes the whole
 model's gradient of its batch by ordinary backpropagation (with the tied word embedding's
 input and output uses kept apart), and module k applies the one of K - k steps ago. The
-delayed step, on 1, 2 and 4 stages of fake CPU devices, must reproduce it.
+delayed step, on 1, 2 and 4 stages of fake CPU devices, must reproduce it. (The variant
+run end to end, as a subprocess: tests/contrib/test_ouroboros_runs.py.)
 """
 
 import dataclasses
 import functools
-import os
 
 import jax
 import jax.numpy as jnp
@@ -25,16 +25,7 @@ from lambjax.models.params import init_params, param_logical_axes
 from lambjax.train import state as state_lib
 from lambjax.train import step as step_lib
 from lambjax.train.state import TrainState
-from tests.helpers import (
-    PHASE1_STEPS,
-    PHASE2_STEPS,
-    demo_command,
-    environment,
-    losses,
-    random_batch,
-    run,
-    wait_for_checkpoint,
-)
+from tests.helpers import random_batch
 
 CONFIG = BertConfig(
     vocab_size=64,
@@ -276,72 +267,6 @@ def test_lamb_fill_and_data_parallel_stages():
             assert not np.array_equal(nsp(state), nsp(before))
         finals.append(jax.device_get(state.params))
     assert max_difference(*finals) < 1e-5
-
-
-# ----------------------------------------------------------------------------------------
-# The variant, end to end
-
-
-def command(workdir, data_dir, *overrides):
-    return demo_command(
-        workdir, data_dir, *overrides, config="configs/bert_lamb.py:ouroboros,runlocal"
-    )
-
-
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory, data_dir):
-    workdir = str(tmp_path_factory.mktemp("ouroboros"))
-    run(command(workdir, data_dir), 4)
-    return workdir
-
-
-@pytest.mark.slow
-def test_the_variant_trains_both_phases_on_four_devices(reference):
-    """3 modules on 2 stages x 2 data shards; phase 2 (sequence 512) starts with empty buffers."""
-    from lambjax.train.metrics import read_jsonl
-
-    logged = losses(reference)
-    assert sorted(logged) == list(range(1, PHASE1_STEPS + PHASE2_STEPS + 1))
-    assert logged[PHASE1_STEPS] < logged[1]
-    records = read_jsonl(os.path.join(reference, "metrics.jsonl"))
-    updating = [records[s]["train/ouroboros_modules_updated"] for s in (1, 2, 3, PHASE1_STEPS + 1)]
-    assert updating == [1, 2, 3, 1]
-    for phase, last in (("phase1", PHASE1_STEPS), ("phase2", PHASE2_STEPS)):
-        assert os.path.isdir(os.path.join(reference, "checkpoints", phase, str(last)))
-
-
-@pytest.mark.slow
-def test_kill_and_rerun_gives_bitwise_the_same_losses(reference, data_dir, tmp_path):
-    """The buffers in flight are in the checkpoint: a run killed with batches in flight
-    resumes as if never stopped."""
-    import subprocess
-
-    from tests.helpers import REPO
-
-    workdir = str(tmp_path)
-    process = subprocess.Popen(
-        command(workdir, data_dir),
-        cwd=REPO,
-        env=environment(4),
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    wait_for_checkpoint(workdir, "phase1", 4, process)
-    process.kill()
-    process.wait()
-    run(command(workdir, data_dir), 4)
-    assert losses(workdir) == losses(reference)
-
-
-def test_a_bad_ouroboros_setting_ends_with_one_line(tmp_path, data_dir):
-    flags = ["--config.mesh.stage=1"]
-    result = run(command(str(tmp_path), data_dir, *flags), 4, check=False)
-    assert result.returncode == 2
-    last = result.stderr.strip().splitlines()[-1]
-    message = "config.ouroboros.num_modules=3 runs on a mesh data x stage with stage=2"
-    assert last.startswith("lambjax: error: ") and message in last, result.stderr[-2000:]
-    assert "Traceback" not in result.stderr
 
 
 @pytest.mark.parametrize(
