@@ -11,15 +11,16 @@ from tests import helpers
 
 
 @pytest.mark.slow
-def test_a_diverging_phase_stops_and_keeps_the_last_finite_checkpoint(tmp_path):
+def test_a_diverging_phase_stops_and_keeps_the_last_finite_checkpoint(data_dir, tmp_path):
+    # The demo's 4-device run (tests/train/test_runs.py's reference), phase 2 made to
+    # diverge: phase 1 and the rerun's phase 2 are its compiled steps.
     workdir = tmp_path / "run"
     result = helpers.run_demo(
         workdir,
-        tmp_path / "data",
-        1,
+        data_dir,
+        4,
         "--config.phases.phase2.learning_rate=1e30",  # the first update overflows
         "--config.phases.phase2.warmup_fraction=0",
-        "--config.phases.phase2.num_steps=8",
         "--config.max_consecutive_nonfinite_steps=3",
         check=False,
     )
@@ -39,19 +40,12 @@ def test_a_diverging_phase_stops_and_keeps_the_last_finite_checkpoint(tmp_path):
     assert all(v == v for step, v in losses.items() if step <= helpers.PHASE1_STEPS + 1)
     assert all(v != v for step, v in losses.items() if step > helpers.PHASE1_STEPS + 1)
 
-    # Phase 2 saved nothing, so its rate may change: the rerun warns, clears the record and
-    # trains on from phase 1's final checkpoint.
-    rerun = helpers.run_demo(
-        workdir,
-        tmp_path / "data",
-        1,
-        "--config.phases.phase2.warmup_fraction=0",
-        "--config.phases.phase2.num_steps=8",
-        "--config.max_consecutive_nonfinite_steps=3",
-    )
+    # Phase 2 saved nothing, so its settings may change: the rerun, with the demo's, warns,
+    # clears the record and trains on from phase 1's final checkpoint.
+    rerun = helpers.run_demo(workdir, data_dir, 4, "--config.max_consecutive_nonfinite_steps=3")
     assert "This run diverged before (diverged.json): 3 consecutive steps" in rerun.stderr
     assert target.divergence(str(workdir)) is None
-    assert (checkpoints / "phase2" / "8").is_dir()
+    assert (checkpoints / "phase2" / str(helpers.PHASE2_STEPS)).is_dir()
 
 
 def test_params_finite_finds_one_bad_value_in_any_tensor():
